@@ -1,0 +1,187 @@
+"""`tokenmill`: run a batch job, or write the sample corpus.
+
+    tokenmill run                              # the demo: embed the sample corpus
+    tokenmill run --input s3://bucket/docs/ --output s3://bucket/emb/
+    tokenmill run --config job.yaml --set batching.token_budget=8192
+    tokenmill sample-corpus data/sample-corpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Before Prefect is imported: its ephemeral API can take longer to start on a small
+# machine than its default allows, and a batch job has no business phoning home.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+FLAG_FIELDS = {  # flag -> dotted JobSpec field
+    "input": "input",
+    "output": "output",
+    "format": "format",
+    "mode": "mode",
+    "model": "model.name",
+    "id_column": "id_column",
+    "text_column": "text_column",
+    "overlong": "overlong",
+    "max_tokens": "generation.max_tokens",
+    "token_budget": "batching.token_budget",
+    "max_batch_size": "batching.max_batch_size",
+    "max_shard_rows": "batching.max_shard_rows",
+    "tracking_uri": "tracking.mlflow_tracking_uri",
+    "experiment": "tracking.experiment",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="Offline batch embeddings and generation.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run a batch job (no arguments: the demo on the sample corpus)")
+    run.add_argument("--config", type=Path, help="job YAML; flags override it")
+    run.add_argument("--input", help="file, directory or glob; local or s3://")
+    run.add_argument("--output", help="output directory; local or s3://")
+    run.add_argument("--format", choices=["auto", "parquet", "jsonl"])
+    run.add_argument("--mode", choices=["embed", "generate"])
+    run.add_argument("--model", help="path, Hugging Face name, or built-in alias")
+    run.add_argument("--id-column", dest="id_column")
+    run.add_argument("--text-column", dest="text_column")
+    run.add_argument("--overlong", choices=["truncate", "reject"])
+    run.add_argument("--max-tokens", dest="max_tokens", type=int)
+    run.add_argument("--token-budget", dest="token_budget", type=int)
+    run.add_argument("--max-batch-size", dest="max_batch_size", type=int)
+    run.add_argument("--max-shard-rows", dest="max_shard_rows", type=int)
+    run.add_argument("--tracking-uri", dest="tracking_uri")
+    run.add_argument("--experiment")
+    run.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                     help="any JobSpec field, dotted, YAML value: --set model.engine_kwargs.max_model_len=512")
+    run.add_argument("--print-spec", action="store_true", help="print the resolved job spec and exit")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sample = commands.add_parser("sample-corpus", help="write the realistic sample corpus")
+    sample.add_argument("directory", type=Path)
+    sample.add_argument("--documents", type=int, default=20_000)
+    sample.add_argument("--files", type=int, default=4)
+    sample.add_argument("--row-group-size", type=int, default=1_000)
+    return parser
+
+
+def spec_from_args(args: argparse.Namespace):
+    from tokenmill.spec import JobSpec, set_dotted
+
+    overrides: dict[str, Any] = {}
+    for flag, field in FLAG_FIELDS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            set_dotted(overrides, field, value)
+    for assignment in args.set:
+        key, sep, raw = assignment.partition("=")
+        if not sep:
+            raise SystemExit(f"tokenmill: --set takes FIELD=VALUE, got {assignment!r}")
+        set_dotted(overrides, key.strip(), yaml.safe_load(raw))
+    if args.config:
+        return JobSpec.from_yaml(args.config, overrides)
+    return JobSpec.model_validate(overrides)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tokenmill.spec import DEFAULT_INPUT
+
+    spec = spec_from_args(args)
+    if args.print_spec:
+        print(spec.to_yaml(), end="")
+        return 0
+    if spec.input == DEFAULT_INPUT and not Path(DEFAULT_INPUT).exists():
+        from tokenmill.sample_corpus import write_sample_corpus
+
+        print(f"Writing the sample corpus to {DEFAULT_INPUT}/ (first run)")
+        write_sample_corpus(DEFAULT_INPUT)
+
+    from flows.batch import batch_flow
+
+    with _progress_bar(enabled=not args.no_progress and sys.stderr.isatty()):
+        record = batch_flow(spec)
+    metrics = record["metrics"]
+    print()
+    print(f"Outputs:   {spec.output}/  (one Parquet file per shard; _manifest.json, _rejects/)")
+    print(f"Rows:      {metrics['rows_in']:.0f} in = {metrics['rows_out']:.0f} out + {metrics['rows_rejected']:.0f} rejected")
+    print(f"Speed:     {metrics['tokens_per_s']:.0f} tokens/s over {metrics['wall_seconds']:.1f} s")
+    print(f"Cost:      ${metrics['usd_per_1m_tokens']:.4f} per 1M tokens (spot)")
+    print(f"MLflow:    run {record['mlflow_run_id']}: mlflow ui --backend-store-uri {spec.tracking.mlflow_tracking_uri}")
+    print("Prefect:   prefect server start, then http://127.0.0.1:4200/runs")
+    return 0
+
+
+class _progress_bar:
+    """A rich progress bar fed by tokenmill.progress events."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        from tokenmill import progress
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeRemainingColumn(), transient=False)
+        self.bar.start()
+        self.shards = self.bar.add_task("shards", total=None)
+        self.rows = self.bar.add_task("rows", total=None)
+        self.unsubscribe = progress.subscribe(self.on_event)
+        return self
+
+    def on_event(self, event: str, data: dict[str, Any]) -> None:
+        if event == "job_started":
+            self.bar.update(self.shards, total=data["shards"])
+            self.bar.update(self.rows, total=data["rows"])
+        elif event == "rows_done":
+            self.bar.advance(self.rows, data["rows"])
+        elif event == "shard_done":
+            self.bar.advance(self.shards, 1)
+            self.bar.advance(self.rows, data["result"].rows_rejected)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.unsubscribe()
+            self.bar.stop()
+        return False
+
+
+def cmd_sample_corpus(args: argparse.Namespace) -> int:
+    from tokenmill.sample_corpus import write_sample_corpus
+
+    paths = write_sample_corpus(args.directory, documents=args.documents, files=args.files,
+                                row_group_size=args.row_group_size)
+    print(f"Wrote {args.documents} documents in {len(paths)} Parquet files to {args.directory}/")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    from tokenmill.errors import TokenmillError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return {"run": cmd_run, "sample-corpus": cmd_sample_corpus}[args.command](args)
+    except (TokenmillError, ValidationError) as exc:
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process; keep this guard
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""_manifest.json: every shard of the job with its fingerprint, rows and tokens."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Iterable
+
+from tokenmill.runner import OUTPUT_FORMAT_VERSION, ShardResult
+from tokenmill.spec import JobSpec
+
+
+def build_manifest(spec: JobSpec, results: Iterable[ShardResult], shards_total: int) -> dict[str, Any]:
+    results = sorted(results, key=lambda r: r.shard_id)
+    totals = {key: sum(getattr(r, key) for r in results)
+              for key in ("rows_in", "rows_out", "rows_rejected", "rows_truncated", "input_tokens", "output_tokens")}
+    return {
+        "format_version": OUTPUT_FORMAT_VERSION,
+        "updated_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "mode": spec.mode,
+        "model": spec.model_name,
+        "input": spec.input,
+        "complete": len(results) == shards_total,
+        "shards_total": shards_total,
+        "shards_done": len(results),
+        "totals": totals,
+        "shards": [
+            {
+                "shard_id": r.shard_id,
+                "fingerprint": r.fingerprint,
+                "uri": r.uri,
+                "output": r.output,
+                "rows_in": r.rows_in,
+                "rows_out": r.rows_out,
+                "rows_rejected": r.rows_rejected,
+                "rows_truncated": r.rows_truncated,
+                "input_tokens": r.input_tokens,
+                "output_tokens": r.output_tokens,
+            }
+            for r in results
+        ],
+    }

@@ -1,0 +1,287 @@
+"""Split a corpus into shards: bounded, independently retryable pieces with stable ids.
+
+Parquet files split at row-group boundaries (a row group larger than the cap is cut
+by row range); JSONL files split into byte ranges that start and end on line
+boundaries, so no file is ever read whole to plan the work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import re
+from typing import Any, Iterator, Literal
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict
+
+from tokenmill.errors import InputError
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+ROW_NUMBER = "__row"  # where the row sits in its file: row index (Parquet) or byte offset (JSONL)
+
+
+class ShardSpec(BaseModel):
+    """A piece of one input file. Cheap to pass to a task; carries no data."""
+
+    model_config = ConfigDict(frozen=True)
+
+    shard_id: str
+    uri: str
+    format: Literal["parquet", "jsonl"]
+    file_size: int
+    file_version: str  # etag on object stores, mtime on local disk
+    row_start: int = 0  # Parquet: global row range [row_start, row_end) in the file
+    row_end: int = 0
+    row_groups: tuple[int, ...] = ()
+    byte_start: int = 0  # JSONL: byte range [byte_start, byte_end) in the file
+    byte_end: int = 0
+    fingerprint: str = ""
+
+    @property
+    def expected_rows(self) -> int | None:
+        return self.row_end - self.row_start if self.format == "parquet" else None
+
+
+def discover_shards(
+    input_uri: str,
+    *,
+    fmt: str = "auto",
+    max_shard_rows: int = 5000,
+    max_shard_bytes: int = 64 * 1024 * 1024,
+    storage_options: dict[str, Any] | None = None,
+) -> list[ShardSpec]:
+    fs, root, files = list_input_files(input_uri, storage_options)
+    shards: list[ShardSpec] = []
+    for path in files:
+        file_format = detect_format(path, fmt)
+        info = fs.info(path)
+        uri = fs.unstrip_protocol(path) if fs.protocol not in ("file", ("file", "local")) else path
+        base = dict(
+            uri=uri,
+            format=file_format,
+            file_size=int(info.get("size") or 0),
+            file_version=_file_version(info),
+        )
+        name = _shard_name(root, path)
+        if file_format == "parquet":
+            pieces = _parquet_pieces(fs, path, uri, max_shard_rows)
+            for start, end, groups in pieces:
+                shards.append(_finish(ShardSpec(shard_id=f"{name}.r{start:09d}-{end:09d}",
+                                                row_start=start, row_end=end, row_groups=groups, **base)))
+        else:
+            for start, end in _jsonl_ranges(fs, path, base["file_size"], max_shard_bytes):
+                shards.append(_finish(ShardSpec(shard_id=f"{name}.b{start:012d}-{end:012d}",
+                                                byte_start=start, byte_end=end, **base)))
+    return shards
+
+
+def list_input_files(input_uri: str, storage_options: dict[str, Any] | None = None):
+    fs, path = fsspec.core.url_to_fs(input_uri, **(storage_options or {}))
+    if any(ch in path for ch in "*?["):
+        files = sorted(p for p in fs.glob(path) if fs.isfile(p))
+        root = _glob_root(path)
+    elif fs.isdir(path):
+        files = sorted(
+            p for p in fs.find(path)
+            if p.lower().endswith(PARQUET_SUFFIXES + JSONL_SUFFIXES) and not _hidden(path, p)
+        )
+        root = path
+    elif fs.exists(path):
+        files, root = [path], posixpath.dirname(path)
+    else:
+        raise InputError(input_uri, "no such file or directory")
+    if not files:
+        raise InputError(input_uri, "no input files found (looked for *.parquet, *.jsonl, *.ndjson)")
+    return fs, root, files
+
+
+def detect_format(path: str, fmt: str = "auto") -> Literal["parquet", "jsonl"]:
+    if fmt in ("parquet", "jsonl"):
+        return fmt  # type: ignore[return-value]
+    lower = path.lower()
+    if lower.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if lower.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    raise InputError(path, "cannot tell the format from the extension; set format: parquet or jsonl")
+
+
+def read_shard(shard: ShardSpec, columns: list[str], storage_options: dict[str, Any] | None = None):
+    """Read a shard's rows. Returns (table, bad_rows).
+
+    The table holds `columns` (those the file has) plus ROW_NUMBER. bad_rows lists
+    (row_number, reason) for JSONL lines that are not a JSON object; Parquet has none.
+    """
+    fs, path = fsspec.core.url_to_fs(shard.uri, **(storage_options or {}))
+    if shard.format == "parquet":
+        return _read_parquet_shard(fs, path, shard, columns), []
+    return _read_jsonl_shard(fs, path, shard, columns)
+
+
+# --- Parquet -----------------------------------------------------------------
+
+def _parquet_pieces(fs, path: str, uri: str, max_rows: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    metadata = _parquet_metadata(fs, path, uri)
+    pieces: list[tuple[int, int, tuple[int, ...]]] = []
+    start, groups, rows = 0, [], 0
+    offset = 0
+    for index in range(metadata.num_row_groups):
+        group_rows = metadata.row_group(index).num_rows
+        if group_rows == 0:
+            continue
+        if group_rows > max_rows:
+            if groups:
+                pieces.append((start, start + rows, tuple(groups)))
+                groups, rows = [], 0
+            for cut in range(offset, offset + group_rows, max_rows):
+                pieces.append((cut, min(cut + max_rows, offset + group_rows), (index,)))
+        elif rows + group_rows > max_rows:
+            pieces.append((start, start + rows, tuple(groups)))
+            start, groups, rows = offset, [index], group_rows
+        else:
+            if not groups:
+                start = offset
+            groups.append(index)
+            rows += group_rows
+        offset += group_rows
+    if groups:
+        pieces.append((start, start + rows, tuple(groups)))
+    return pieces
+
+
+def _parquet_metadata(fs, path: str, uri: str):
+    try:
+        with fs.open(path, "rb") as handle:
+            return pq.ParquetFile(handle).metadata
+    except (pa.ArrowInvalid, pa.ArrowException, OSError, ValueError) as exc:
+        raise InputError(uri, f"not a readable Parquet file ({exc})") from exc
+
+
+def _read_parquet_shard(fs, path: str, shard: ShardSpec, columns: list[str]) -> pa.Table:
+    try:
+        with fs.open(path, "rb") as handle:
+            parquet = pq.ParquetFile(handle)
+            present = [c for c in columns if c in parquet.schema_arrow.names]
+            table = parquet.read_row_groups(list(shard.row_groups), columns=present)
+            first_row = sum(parquet.metadata.row_group(i).num_rows for i in range(shard.row_groups[0]))
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        raise InputError(shard.uri, f"cannot read Parquet row groups {list(shard.row_groups)} ({exc})") from exc
+    table = table.slice(shard.row_start - first_row, shard.row_end - shard.row_start)
+    rows = pa.array(range(shard.row_start, shard.row_start + table.num_rows), pa.int64())
+    return table.append_column(ROW_NUMBER, rows)
+
+
+# --- JSONL -------------------------------------------------------------------
+
+def _jsonl_ranges(fs, path: str, size: int, max_bytes: int) -> Iterator[tuple[int, int]]:
+    start = 0
+    with fs.open(path, "rb") as handle:
+        while start < size:
+            end = min(start + max_bytes, size)
+            if end < size:
+                end = _next_line_start(handle, end, size)
+            yield start, end
+            start = end
+
+
+def _next_line_start(handle, offset: int, size: int) -> int:
+    """The offset just past the first newline at or after `offset - 1`."""
+    handle.seek(offset - 1)
+    position = offset - 1
+    while position < size:
+        chunk = handle.read(1 << 16)
+        if not chunk:
+            break
+        newline = chunk.find(b"\n")
+        if newline >= 0:
+            return position + newline + 1
+        position += len(chunk)
+    return size
+
+
+def _read_jsonl_shard(fs, path: str, shard: ShardSpec, columns: list[str]):
+    with fs.open(path, "rb") as handle:
+        handle.seek(shard.byte_start)
+        data = handle.read(shard.byte_end - shard.byte_start)
+    values: dict[str, list] = {c: [] for c in columns}
+    row_numbers: list[int] = []
+    bad_rows: list[tuple[int, str]] = []
+    offset = shard.byte_start
+    for line in data.split(b"\n"):
+        line_offset, offset = offset, offset + len(line) + 1
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            bad_rows.append((line_offset, f"line is not valid UTF-8 ({exc.reason} at byte {exc.start})"))
+            continue
+        except json.JSONDecodeError as exc:
+            bad_rows.append((line_offset, f"line is not valid JSON ({exc.msg} at column {exc.colno})"))
+            continue
+        if not isinstance(record, dict):
+            bad_rows.append((line_offset, f"line is a JSON {type(record).__name__}, not an object"))
+            continue
+        row_numbers.append(line_offset)
+        for column in columns:
+            values[column].append(record.get(column))
+    arrays = {}
+    for column, column_values in values.items():
+        if all(v is None for v in column_values) and column_values:
+            continue  # the column is absent from this shard: a structural error for the validator
+        arrays[column] = _jsonl_column(column_values)
+    arrays[ROW_NUMBER] = pa.array(row_numbers, pa.int64())
+    return pa.table(arrays), bad_rows
+
+
+def _jsonl_column(values: list) -> pa.Array:
+    """Keep JSON's types where they agree; mixed types become strings so a reject can say why."""
+    kinds = {type(v) for v in values if v is not None}
+    if kinds <= {str} or kinds <= {int} or kinds <= {float, int} or kinds <= {bool}:
+        return pa.array(values)
+    return pa.array([v if v is None or isinstance(v, str) else json.dumps(v) for v in values], pa.string())
+
+
+# --- helpers -----------------------------------------------------------------
+
+def _finish(shard: ShardSpec) -> ShardSpec:
+    identity = shard.model_dump(exclude={"fingerprint", "shard_id"})
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return shard.model_copy(update={"fingerprint": digest})
+
+
+def _file_version(info: dict[str, Any]) -> str:
+    for key in ("ETag", "etag", "ETAG"):
+        if info.get(key):
+            return str(info[key]).strip('"')
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        if info.get(key) is not None:
+            return str(info[key])
+    return ""
+
+
+def _shard_name(root: str, path: str) -> str:
+    relative = posixpath.relpath(path, root) if root else posixpath.basename(path)
+    if relative.startswith(".."):
+        relative = posixpath.basename(path)
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", relative)
+
+
+def _glob_root(pattern: str) -> str:
+    parts = pattern.split("/")
+    fixed = []
+    for part in parts:
+        if any(ch in part for ch in "*?["):
+            break
+        fixed.append(part)
+    return "/".join(fixed)
+
+
+def _hidden(root: str, path: str) -> bool:
+    relative = posixpath.relpath(path, root)
+    return any(part.startswith(("_", ".")) for part in relative.split("/"))

@@ -1,0 +1,154 @@
+"""The run record: one MLflow run per job, with the figures DESIGN.md names."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+from tokenmill.economics import RunCost
+from tokenmill.runner import ShardResult
+from tokenmill.spec import JobSpec
+
+
+def job_params(spec: JobSpec, engine: str, model_path: str, device: str) -> dict[str, Any]:
+    """What we log as params. storage_options are left out: they may hold credentials."""
+    return {
+        "mode": spec.mode,
+        "model": spec.model_name,
+        "model_path": model_path,
+        "engine": engine,
+        "device": device,
+        "dtype": spec.model.dtype,
+        "quantization": spec.model.quantization or "none",
+        "engine_kwargs": json.dumps(spec.model.engine_kwargs, sort_keys=True),
+        "input": spec.input,
+        "output": spec.output,
+        "overlong": spec.overlong,
+        "token_budget": spec.batching.token_budget,
+        "max_batch_size": spec.batching.max_batch_size,
+        "length_tolerance": spec.batching.length_tolerance,
+        "max_shard_rows": spec.batching.max_shard_rows,
+        "baseline_batch_size": spec.batching.baseline_batch_size,
+        "usd_per_gpu_hour_spot": spec.pricing.usd_per_gpu_hour_spot,
+        "usd_per_gpu_hour_on_demand": spec.pricing.usd_per_gpu_hour_on_demand,
+        "gpu_count": spec.pricing.gpu_count,
+        **({"max_tokens": spec.generation.max_tokens, "temperature": spec.generation.temperature}
+           if spec.mode == "generate" else {}),
+    }
+
+
+def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSpec, shards_cached: int = 0) -> dict[str, float]:
+    results = list(results)
+    cost = RunCost(
+        rows=sum(r.rows_out for r in results),
+        input_tokens=sum(r.input_tokens for r in results),
+        output_tokens=sum(r.output_tokens for r in results),
+        wall_seconds=wall_seconds,
+        engine_seconds=sum(r.engine_seconds for r in results),
+        gpu_count=spec.pricing.gpu_count,
+        usd_per_gpu_hour_spot=spec.pricing.usd_per_gpu_hour_spot,
+        usd_per_gpu_hour_on_demand=spec.pricing.usd_per_gpu_hour_on_demand,
+    )
+    real = sum(r.real_tokens for r in results)
+    padded = sum(r.padded_slots for r in results)
+    baseline = sum(r.baseline_padded_slots for r in results)
+    metrics = cost.metrics()
+    metrics.update(
+        rows_in=sum(r.rows_in for r in results),
+        rows_out=sum(r.rows_out for r in results),
+        rows_rejected=sum(r.rows_rejected for r in results),
+        rows_truncated=sum(r.rows_truncated for r in results),
+        shards=len(results),
+        shards_cached=shards_cached,
+        batches=sum(r.batches for r in results),
+        padding_fraction=0.0 if padded == 0 else 1 - real / padded,
+        baseline_padding_fraction=0.0 if baseline == 0 else 1 - real / baseline,
+        padded_slots=padded,
+        baseline_padded_slots=baseline,
+    )
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def summary_markdown(spec: JobSpec, metrics: dict[str, float], results: list[ShardResult]) -> str:
+    m = metrics
+    lines = [
+        f"# tokenmill {spec.mode} run",
+        "",
+        f"- model: `{spec.model_name}`; input: `{spec.input}`; output: `{spec.output}`",
+        f"- rows: {m['rows_in']:.0f} in = {m['rows_out']:.0f} out + {m['rows_rejected']:.0f} rejected "
+        f"({m['rows_truncated']:.0f} truncated)",
+        f"- tokens: {m['input_tokens']:.0f} input, {m['output_tokens']:.0f} output",
+        f"- wall: {m['wall_seconds']:.1f} s; engine: {m['engine_seconds']:.1f} s; "
+        f"{m['tokens_per_s']:.0f} tokens/s, {m['items_per_s']:.1f} rows/s",
+        f"- cost: {m['gpu_hours']:.4f} GPU-hours, ${m['usd_spot']:.4f} spot / ${m['usd_on_demand']:.4f} on-demand; "
+        f"**${m['usd_per_1m_tokens']:.4f} per 1M tokens** (spot)",
+        f"- padding: {m['padding_fraction']:.1%} with length buckets vs {m['baseline_padding_fraction']:.1%} for "
+        f"input-order batches of {spec.batching.baseline_batch_size}",
+        f"- shards: {m['shards']:.0f} ({m['shards_cached']:.0f} from cache), {m['batches']:.0f} batches",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def shard_rows(results: list[ShardResult]) -> list[dict[str, Any]]:
+    return [
+        {
+            "shard": r.shard_id,
+            "rows_in": r.rows_in,
+            "rows_out": r.rows_out,
+            "rejected": r.rows_rejected,
+            "truncated": r.rows_truncated,
+            "input_tokens": r.input_tokens,
+            "output_tokens": r.output_tokens,
+            "padding": round(r.padding_fraction, 4),
+            "seconds": round(r.seconds, 2),
+        }
+        for r in results
+    ]
+
+
+def log_run(spec: JobSpec, params: dict[str, Any], metrics: dict[str, float], results: list[ShardResult],
+            manifest: dict[str, Any], tags: dict[str, str] | None = None) -> str:
+    """Write one MLflow run; returns its id."""
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
+    mlflow.set_experiment(spec.tracking.experiment)
+    with mlflow.start_run(run_name=spec.tracking.run_name, tags=tags) as run:
+        mlflow.log_params(params)
+        mlflow.log_metrics(metrics)
+        mlflow.log_text(summary_markdown(spec, metrics, results), "summary.md")
+        mlflow.log_dict(manifest, "manifest.json")
+        mlflow.log_table(data={k: [row[k] for row in shard_rows(results)] for k in shard_rows(results)[0]}
+                         if results else {"shard": []}, artifact_file="shards.json")
+        with tempfile.TemporaryDirectory() as scratch:
+            plot = _length_plot(results, Path(scratch) / "padding.png", metrics)
+            if plot:
+                mlflow.log_artifact(str(plot))
+        return run.info.run_id
+
+
+def _length_plot(results: list[ShardResult], path: Path, metrics: dict[str, float]) -> Path | None:
+    if not results:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.shard_id[-24:] for r in results]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.bar(range(len(results)), [r.baseline_padding_fraction for r in results], label="input-order batches")
+    ax.bar(range(len(results)), [r.padding_fraction for r in results], label="length buckets")
+    ax.set_xticks(range(len(results)), names, rotation=60, ha="right", fontsize=6)
+    ax.set_ylabel("padded share of slots")
+    ax.set_title(f"Padding per shard: {metrics['padding_fraction']:.1%} bucketed vs "
+                 f"{metrics['baseline_padding_fraction']:.1%} naive")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
