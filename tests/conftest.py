@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import os
+
+# Set before anything imports Prefect, transformers or vLLM.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import pytest  # noqa: E402
+
+from tokenmill.spec import JobSpec, ModelSpec  # noqa: E402
+
+# One model spec for every embedding test, so the process starts one vLLM engine.
+TEST_EMBED_MODEL = ModelSpec(name="all-MiniLM-L6-v2", engine_kwargs={"gpu_memory_utilization": 0.1})
+TEST_GENERATE_MODEL = ModelSpec(
+    name="SmolLM2-135M-Instruct", engine_kwargs={"gpu_memory_utilization": 0.3, "max_model_len": 1024}
+)
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Batch inference trades latency for throughput.",
+    "Parquet stores columns together, so reading one column is cheap.",
+    "A shard is the unit of retry: losing one costs minutes, not hours.",
+    "Short.",
+    "Spot GPUs cost less because the cloud may take them back at any time. " * 3,
+    "Embeddings map text to vectors whose cosine similarity tracks meaning.",
+    "The manifest lists every shard with its fingerprint and row counts.",
+]
+
+
+def write_parquet(path, ids, texts, row_group_size=None, **extra):
+    table = pa.table({"id": ids, "text": texts, **extra})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+@pytest.fixture
+def embed_spec(tmp_path):
+    def make(input_uri, **overrides) -> JobSpec:
+        fields = dict(
+            input=str(input_uri),
+            output=str(tmp_path / "out"),
+            mode="embed",
+            model=TEST_EMBED_MODEL,
+            tracking={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "tests"},
+        )
+        fields.update(overrides)
+        return JobSpec.model_validate(fields)
+
+    return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_engines_at_exit():
+    # vLLM's own atexit shutdown logs into streams pytest has already closed.
+    yield
+    from tokenmill.engines import close_engines
+
+    close_engines()

@@ -1,0 +1,57 @@
+"""The real vLLM engine on CPU, embedding with all-MiniLM-L6-v2."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import TEST_EMBED_MODEL, TEXTS, write_parquet
+from tokenmill.engines import get_engine
+from tokenmill.models import resolve_model
+from tokenmill.runner import encode_rows, run_shard
+from tokenmill.shards import discover_shards
+from tokenmill.spec import JobSpec
+
+pytestmark = pytest.mark.engine
+
+LONG_TEXT = " ".join(f"Sentence number {i} talks about batching and padding." for i in range(80))
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return JobSpec(mode="embed", model=TEST_EMBED_MODEL)
+
+
+@pytest.fixture(scope="module")
+def engine(spec):
+    return get_engine(resolve_model(spec.model_name), spec)
+
+
+def test_embeddings_match_sentence_transformers(spec, engine):
+    from sentence_transformers import SentenceTransformer
+
+    texts = TEXTS + [LONG_TEXT]
+    model_path = resolve_model(spec.model_name)
+    encoded = encode_rows(texts, spec, model_path)
+    assert encoded.truncated == [False] * len(TEXTS) + [True]  # past max_seq_length=256
+    ours = np.stack(engine.embed(encoded.token_ids))
+    reference = SentenceTransformer(model_path, device="cpu").encode(texts, convert_to_numpy=True)
+    cosine = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1))
+    assert ours.shape == (len(texts), 384)
+    assert cosine.min() >= 0.999, cosine
+
+
+def test_a_shard_is_written_in_input_order_with_token_counts(tmp_path, spec, engine):
+    ids = [f"row-{i}" for i in range(len(TEXTS))]
+    write_parquet(tmp_path / "in.parquet", ids, TEXTS, row_group_size=3)
+    job = spec.model_copy(update={"input": str(tmp_path / "in.parquet"), "output": str(tmp_path / "out")})
+    results = [run_shard(shard, job) for shard in discover_shards(job.input, max_shard_rows=4)]
+    table = pq.read_table(tmp_path / "out")
+    assert table.column_names[:4] == ["id", "embedding", "input_tokens", "output_tokens"]
+    assert table.column("id").to_pylist() == ids
+    embedding_type = table.schema.field("embedding").type
+    assert pa.types.is_list(embedding_type) and embedding_type.value_type == pa.float32()
+    vectors = np.array(table.column("embedding").to_pylist())
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
+    assert sum(r.rows_out for r in results) == len(TEXTS)
+    assert all(n > 2 for n in table.column("input_tokens").to_pylist())

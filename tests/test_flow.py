@@ -1,0 +1,117 @@
+"""The batch flow on a real (temporary) Prefect server, with MLflow on SQLite."""
+
+import asyncio
+import json
+
+import mlflow
+import pyarrow.parquet as pq
+import pytest
+from prefect.testing.utilities import prefect_test_harness
+
+from conftest import write_parquet
+from flows.batch import batch_flow
+from tokenmill.errors import InputError
+
+pytestmark = pytest.mark.engine
+
+RUN_METRICS = ("rows", "input_tokens", "output_tokens", "wall_seconds", "tokens_per_s", "items_per_s", "gpu_hours",
+               "usd_spot", "usd_on_demand", "usd_per_1m_tokens", "padding_fraction", "baseline_padding_fraction",
+               "shards_cached", "rows_rejected")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_server():
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """Two Parquet files with bad rows, and a JSONL file with bad lines."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    write_parquet(root / "a.parquet", [f"a{i}" for i in range(30)],
+                  [f"Document {i} is about {'trains' if i % 2 else 'boats'}. " * (1 + i % 7) for i in range(30)],
+                  row_group_size=10)
+    write_parquet(root / "b.parquet", ["b0", "b1", "b2", "b1", "b4"], ["fine text", None, "   ", "dup id", "ok"])
+    good = [json.dumps({"id": f"c{i}", "text": f"line {i} of the jsonl file"}).encode() for i in range(6)]
+    bad = [b'{"id": "c-bad-utf8", "text": "caf\xe9"}', b'["not", "an", "object"]']
+    (root / "c.jsonl").write_bytes(b"\n".join(good[:3] + bad + good[3:]) + b"\n")
+    return root
+
+
+def all_input_ids():
+    return {f"a{i}" for i in range(30)} | {"b0", "b1", "b2", "b4"} | {f"c{i}" for i in range(6)}
+
+
+def test_batch_flow_writes_outputs_rejects_manifest_and_run_record(tmp_path, corpus, embed_spec):
+    spec = embed_spec(corpus, batching={"max_shard_rows": 20, "token_budget": 512})
+    record = batch_flow(spec)
+    out = tmp_path / "out"
+
+    outputs = pq.read_table(out)  # readers skip _manifest.json and _rejects/
+    rejects = pq.read_table(out / "_rejects").to_pylist()
+    output_ids = outputs.column("id").to_pylist()
+    assert len(output_ids) == len(set(output_ids))
+    # every input row is accounted for exactly once: out, or rejected with a reason
+    rejected_ids = [r["id"] for r in rejects if r["id"] is not None]
+    assert set(output_ids) | set(rejected_ids) == all_input_ids() | {"b1"}
+    reasons = {(r["id"], r["reason"]) for r in rejects}
+    assert ("b1", "text is null") in reasons
+    assert ("b2", "text is empty or whitespace") in reasons
+    assert any(r["id"] == "b1" and r["reason"].startswith("duplicate id") for r in rejects)
+    jsonl_rejects = [r for r in rejects if r["file"].endswith("c.jsonl")]
+    assert len(jsonl_rejects) == 2 and all(r["byte_offset"] is not None for r in jsonl_rejects)
+
+    # shards keep their input order
+    first_shard = pq.read_table(next(out.glob("a.parquet.r000000000-*.parquet"))).column("id").to_pylist()
+    assert first_shard == [f"a{i}" for i in range(20)]
+
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["complete"] and manifest["shards_done"] == manifest["shards_total"] == 4
+    totals = manifest["totals"]
+    assert totals["rows_in"] == 30 + 5 + 8 == totals["rows_out"] + totals["rows_rejected"]
+    assert totals["rows_rejected"] == 3 + 2 and all(s["fingerprint"] for s in manifest["shards"])
+
+    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
+    run = mlflow.get_run(record["mlflow_run_id"])
+    for name in RUN_METRICS:
+        assert name in run.data.metrics, name
+    metrics = run.data.metrics
+    assert metrics["rows"] == len(output_ids) and metrics["input_tokens"] == sum(outputs.column("input_tokens").to_pylist())
+    assert metrics["tokens_per_s"] == pytest.approx(metrics["input_tokens"] / metrics["wall_seconds"])
+    assert metrics["usd_spot"] == pytest.approx(metrics["wall_seconds"] / 3600 * spec.pricing.usd_per_gpu_hour_spot)
+    assert metrics["padding_fraction"] < metrics["baseline_padding_fraction"]
+    assert run.data.params["model"] == "all-MiniLM-L6-v2" and run.data.params["engine"] == "vllm"
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
+    assert {"summary.md", "manifest.json", "padding.png"} <= artifacts
+
+    keys = asyncio.run(_artifact_keys())
+    assert {"tokenmill-summary", "tokenmill-shards", "tokenmill-progress"} <= keys
+
+
+async def _artifact_keys():
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        return {a.key for a in await client.read_artifacts()}
+
+
+def test_a_structural_error_fails_the_flow_naming_file_and_column(tmp_path, embed_spec):
+    root = tmp_path / "wrong"
+    root.mkdir()
+    write_parquet(root / "part-0.parquet", ["x"], ["y"])
+    with pytest.raises(InputError, match=r"part-0\.parquet, column 'body': required column is missing"):
+        batch_flow(embed_spec(root, text_column="body"))
+    assert not list((tmp_path / "out").glob("*.parquet"))
+
+
+def test_overlong_reject_policy_sends_long_documents_to_rejects(tmp_path, embed_spec):
+    root = tmp_path / "long"
+    root.mkdir()
+    write_parquet(root / "d.parquet", ["short", "long"], ["a short document", "many words here " * 200])
+    batch_flow(embed_spec(root, overlong="reject"))
+    outputs = pq.read_table(tmp_path / "out").column("id").to_pylist()
+    (reject,) = pq.read_table(tmp_path / "out" / "_rejects").to_pylist()
+    assert outputs == ["short"]
+    assert reject["id"] == "long" and "the model takes at most 256" in reject["reason"] and reject["row"] == 1
