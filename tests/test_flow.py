@@ -115,3 +115,41 @@ def test_overlong_reject_policy_sends_long_documents_to_rejects(tmp_path, embed_
     (reject,) = pq.read_table(tmp_path / "out" / "_rejects").to_pylist()
     assert outputs == ["short"]
     assert reject["id"] == "long" and "the model takes at most 256" in reject["reason"] and reject["row"] == 1
+
+
+@pytest.fixture
+def s3_server(monkeypatch):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def test_input_and_output_on_s3(tmp_path, corpus, embed_spec, s3_server):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server)
+    fs.mkdir("corpus-bucket")
+    fs.put(str(corpus) + "/", "corpus-bucket/docs/", recursive=True)
+    spec = embed_spec("s3://corpus-bucket/docs/", output="s3://corpus-bucket/embeddings",
+                      storage_options={"endpoint_url": s3_server}, batching={"max_shard_rows": 20})
+    record = batch_flow(spec)
+    fs.invalidate_cache()
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls("corpus-bucket/embeddings")}
+    assert "_manifest.json" in names and "_rejects" in names
+    assert not [n for n in names if ".tmp-" in n]
+    with fs.open("corpus-bucket/embeddings/_manifest.json") as handle:
+        manifest = json.load(handle)
+    assert manifest["complete"] and manifest["totals"]["rows_in"] == 43
+    assert manifest["shards"][0]["uri"].startswith("s3://corpus-bucket/docs/")
+    ids = pq.read_table("corpus-bucket/embeddings", filesystem=fs).column("id").to_pylist()
+    assert set(ids) == all_input_ids() - {"b1", "b2"}
+    # the endpoint and credentials stay out of the run record
+    params = mlflow.get_run(record["mlflow_run_id"]).data.params
+    assert not any(s3_server in str(v) or "testing-secret" in str(v) for v in params.values())

