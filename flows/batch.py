@@ -9,7 +9,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from tasks.record import record_run_task
-from tasks.shards import discover_shards_task, process_shard_task, write_manifest_task
+from tasks.shards import discover_shards_task, process_shard_task, state_storage, write_manifest_task
 from tokenmill import progress
 from tokenmill.spec import JobSpec
 
@@ -25,15 +25,21 @@ def batch_flow(spec: JobSpec = JobSpec()) -> dict[str, Any]:
     progress.emit("job_started", shards=len(shards), rows=None if None in expected else sum(expected))
     progress_id = create_progress_artifact(0.0, key="tokenmill-progress", description="shards finished")
 
-    results = []
+    run_shard_task = process_shard_task.with_options(result_storage=state_storage(spec))
+    results, cached = [], []
     for done, shard in enumerate(shards, start=1):
-        result = process_shard_task(shard, spec)
+        state = run_shard_task(shard, spec, return_state=True)
+        result = state.result()  # raises the shard's error if it failed
         results.append(result)
+        if state.name == "Cached":
+            cached.append(result.shard_id)
+            progress.emit("shard_done", shard_id=shard.shard_id, result=result, cached=True)
         write_manifest_task(spec, results, len(shards))
         update_progress_artifact(progress_id, 100.0 * done / len(shards))
-        logger.info("shard %s: %d rows out, %d rejected (%d/%d shards)",
-                    shard.shard_id, result.rows_out, result.rows_rejected, done, len(shards))
+        logger.info("shard %s%s: %d rows out, %d rejected (%d/%d shards)", shard.shard_id,
+                    " (cached)" if state.name == "Cached" else "", result.rows_out, result.rows_rejected,
+                    done, len(shards))
 
-    record = record_run_task(spec, results, time.perf_counter() - started)
+    record = record_run_task(spec, results, time.perf_counter() - started, cached)
     logger.info("\n%s", record["summary"])
     return record

@@ -149,7 +149,8 @@ class _progress_bar:
             self.bar.advance(self.rows, data["rows"])
         elif event == "shard_done":
             self.bar.advance(self.shards, 1)
-            self.bar.advance(self.rows, data["result"].rows_rejected)
+            result = data["result"]
+            self.bar.advance(self.rows, result.rows_rejected + (result.rows_out if data.get("cached") else 0))
 
     def __exit__(self, *exc):
         if self.enabled:

@@ -15,10 +15,10 @@ from tokenmill.tracking import job_params, log_run, run_metrics, shard_rows, sum
 
 
 @task(name="record-run", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
-def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: float, shards_cached: int = 0,
-                    tags: dict[str, str] | None = None) -> dict[str, Any]:
+def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: float,
+                    cached_shard_ids: list[str] | None = None, tags: dict[str, str] | None = None) -> dict[str, Any]:
     """The MLflow run and the Prefect artifacts for one finished job."""
-    metrics = run_metrics(results, wall_seconds, spec, shards_cached)
+    metrics = run_metrics(results, wall_seconds, spec, set(cached_shard_ids or ()))
     engine, device = describe_engine()
     params = job_params(spec, engine, resolve_model(spec.model_name), device)
     manifest = build_manifest(spec, results, len(results))

@@ -5,6 +5,7 @@ Layout under the output root:
     _rejects/<shard_id>.parquet refused rows with their reason
     _shards/<shard_id>.json     one record per finished shard
     _manifest.json              every shard with its fingerprint, rows and tokens
+    _state/                     Prefect's persisted shard results: what makes a re-run resume
 Readers such as pandas and pyarrow.dataset skip the _-prefixed entries.
 
 Every file appears whole or not at all: locally it is written under a temporary
@@ -27,6 +28,7 @@ import pyarrow.parquet as pq
 MANIFEST = "_manifest.json"
 REJECTS_DIR = "_rejects"
 SHARDS_DIR = "_shards"
+STATE_DIR = "_state"
 
 REJECTS_SCHEMA = pa.schema(
     [

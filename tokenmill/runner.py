@@ -5,6 +5,8 @@ Plain Python, so tests and other orchestrators can call it without Prefect.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from typing import Sequence
 
@@ -133,6 +135,28 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     store.write_json(store.shard_record(shard.shard_id), result.model_dump())
     progress.emit("shard_done", shard_id=shard.shard_id, result=result)
     return result
+
+
+def shard_cache_key(shard: ShardSpec, spec: JobSpec) -> str:
+    """What a shard's output depends on, and nothing else.
+
+    Not the code's source text (a comment edit must not redo a ten-hour job) and not
+    the batching settings (they change speed, not results). The output location is
+    in, so one job's finished shards never stand in for another's.
+    """
+    identity = {
+        "fingerprint": shard.fingerprint,
+        "mode": spec.mode,
+        "model": spec.model_name,
+        "model_spec": spec.model.model_dump(mode="json", exclude={"name"}),
+        "generation": spec.generation.model_dump(mode="json") if spec.mode == "generate" else None,
+        "columns": [spec.id_column, spec.text_column],
+        "overlong": spec.overlong,
+        "output": spec.output.rstrip("/"),
+        "format_version": OUTPUT_FORMAT_VERSION,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    return f"{shard.shard_id}-{digest}"
 
 
 def encode_rows(texts: Sequence[str], spec: JobSpec, model_path: str) -> EncodedRows:

@@ -40,14 +40,18 @@ def job_params(spec: JobSpec, engine: str, model_path: str, device: str) -> dict
     }
 
 
-def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSpec, shards_cached: int = 0) -> dict[str, float]:
+def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSpec,
+                cached_shard_ids: set[str] = frozenset()) -> dict[str, float]:
+    """Rows and padding over the whole job; speed and cost over the shards this run
+    computed (cached shards were paid for by an earlier run)."""
     results = list(results)
+    fresh = [r for r in results if r.shard_id not in cached_shard_ids]
     cost = RunCost(
-        rows=sum(r.rows_out for r in results),
-        input_tokens=sum(r.input_tokens for r in results),
-        output_tokens=sum(r.output_tokens for r in results),
+        rows=sum(r.rows_out for r in fresh),
+        input_tokens=sum(r.input_tokens for r in fresh),
+        output_tokens=sum(r.output_tokens for r in fresh),
         wall_seconds=wall_seconds,
-        engine_seconds=sum(r.engine_seconds for r in results),
+        engine_seconds=sum(r.engine_seconds for r in fresh),
         gpu_count=spec.pricing.gpu_count,
         usd_per_gpu_hour_spot=spec.pricing.usd_per_gpu_hour_spot,
         usd_per_gpu_hour_on_demand=spec.pricing.usd_per_gpu_hour_on_demand,
@@ -62,7 +66,7 @@ def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSp
         rows_rejected=sum(r.rows_rejected for r in results),
         rows_truncated=sum(r.rows_truncated for r in results),
         shards=len(results),
-        shards_cached=shards_cached,
+        shards_cached=len(results) - len(fresh),
         batches=sum(r.batches for r in results),
         padding_fraction=0.0 if padded == 0 else 1 - real / padded,
         baseline_padding_fraction=0.0 if baseline == 0 else 1 - real / baseline,
