@@ -15,7 +15,7 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from tokenmill import progress
-from tokenmill.bucketing import fixed_batches, padding_stats, plan_batches, restore_order
+from tokenmill.bucketing import PaddingStats, fixed_batches, padding_stats, plan_batches, restore_order
 from tokenmill.engines import Engine, get_engine
 from tokenmill.models import load_tokenizer, model_input_limit, resolve_model
 from tokenmill.outputs import OutputStore, rejects_table
@@ -47,11 +47,11 @@ class ShardResult(BaseModel):
 
     @property
     def padding_fraction(self) -> float:
-        return _padding(self.real_tokens, self.padded_slots)
+        return PaddingStats(self.real_tokens, self.padded_slots).padding_fraction
 
     @property
     def baseline_padding_fraction(self) -> float:
-        return _padding(self.real_tokens, self.baseline_padded_slots)
+        return PaddingStats(self.real_tokens, self.baseline_padded_slots).padding_fraction
 
 
 class EncodedRows(BaseModel):
@@ -248,7 +248,3 @@ def _embedding_array(vectors: list[np.ndarray]) -> pa.Array:
     matrix = np.ascontiguousarray(np.stack(vectors), dtype=np.float32)
     offsets = pa.array(np.arange(0, matrix.size + 1, matrix.shape[1], dtype=np.int32))
     return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1)))
-
-
-def _padding(real: int, padded: int) -> float:
-    return 0.0 if padded == 0 else 1.0 - real / padded

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from tokenmill.bucketing import PaddingStats
 from tokenmill.economics import RunCost
 from tokenmill.runner import ShardResult
 from tokenmill.spec import JobSpec
@@ -68,8 +69,8 @@ def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSp
         shards=len(results),
         shards_cached=len(results) - len(fresh),
         batches=sum(r.batches for r in results),
-        padding_fraction=0.0 if padded == 0 else 1 - real / padded,
-        baseline_padding_fraction=0.0 if baseline == 0 else 1 - real / baseline,
+        padding_fraction=PaddingStats(real, padded).padding_fraction,
+        baseline_padding_fraction=PaddingStats(real, baseline).padding_fraction,
         padded_slots=padded,
         baseline_padded_slots=baseline,
     )
