@@ -39,3 +39,14 @@ def test_wrong_type_fails_naming_file_and_column():
         validate_rows(pa.table({"id": ["a"], "text": [3], ROW_NUMBER: [0]}), "f.parquet", "id", "text")
     with pytest.raises(InputError, match=r"column 'id'.*double"):
         validate_rows(pa.table({"id": [1.5], "text": ["x"], ROW_NUMBER: [0]}), "f.parquet", "id", "text")
+
+
+def test_a_jsonl_shard_with_no_readable_line_rejects_rows_instead_of_failing(tmp_path):
+    from tokenmill.shards import discover_shards, read_shard
+
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"[1]\n\"just a string\"\n")
+    (shard,) = discover_shards(str(path))
+    table, unreadable = read_shard(shard, ["id", "text"])
+    result = validate_rows(table, shard.uri, "id", "text")
+    assert result.valid.num_rows == 0 and len(unreadable) == 2

@@ -39,7 +39,9 @@ def check_structure(table: pa.Table, uri: str, id_column: str, text_column: str)
             found = ", ".join(c for c in table.column_names if c != ROW_NUMBER) or "none"
             raise InputError(uri, f"required column is missing (columns found: {found})", column=column)
     id_type = table.schema.field(id_column).type
-    if not (pa.types.is_integer(id_type) or pa.types.is_string(id_type) or pa.types.is_large_string(id_type)):
+    # null type: no row of this shard has a value (or none was readable); rows decide, not the schema
+    if not (pa.types.is_integer(id_type) or pa.types.is_string(id_type) or pa.types.is_large_string(id_type)
+            or pa.types.is_null(id_type)):
         raise InputError(uri, f"id column has type {id_type}; expected a string or integer", column=id_column)
     text_type = table.schema.field(text_column).type
     if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type) or pa.types.is_null(text_type)):
