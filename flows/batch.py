@@ -31,13 +31,14 @@ def batch_flow(spec: JobSpec = JobSpec()) -> dict[str, Any]:
         state = run_shard_task(shard, spec, return_state=True)
         result = state.result()  # raises the shard's error if it failed
         results.append(result)
-        if state.name == "Cached":
+        from_cache = state.name == "Cached"
+        if from_cache:
             cached.append(result.shard_id)
             progress.emit("shard_done", shard_id=shard.shard_id, result=result, cached=True)
         write_manifest_task(spec, results, len(shards))
         update_progress_artifact(progress_id, 100.0 * done / len(shards))
         logger.info("shard %s%s: %d rows out, %d rejected (%d/%d shards)", shard.shard_id,
-                    " (cached)" if state.name == "Cached" else "", result.rows_out, result.rows_rejected,
+                    " (cached)" if from_cache else "", result.rows_out, result.rows_rejected,
                     done, len(shards))
 
     record = record_run_task(spec, results, time.perf_counter() - started, cached)

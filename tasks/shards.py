@@ -43,8 +43,8 @@ def is_transient(task, task_run, state) -> bool:
     """Retry I/O hiccups (S3 5xx, throttling, resets); never a data or config error."""
     try:
         state.result()
-    except TokenmillError:
-        return False
+    except (TokenmillError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
+        return False  # the same call would fail the same way
     except (OSError, ConnectionError, TimeoutError):
         return True
     except Exception as exc:  # botocore/aiohttp errors arrive wrapped in many types
