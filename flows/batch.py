@@ -9,7 +9,13 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from tasks.record import record_run_task
-from tasks.shards import discover_shards_task, process_shard_task, state_storage, write_manifest_task
+from tasks.shards import (
+    discover_shards_task,
+    process_shard_task,
+    reject_duplicates_task,
+    state_storage,
+    write_manifest_task,
+)
 from tokenmill import progress
 from tokenmill.spec import JobSpec
 
@@ -35,12 +41,14 @@ def batch_flow(spec: JobSpec = JobSpec()) -> dict[str, Any]:
         if from_cache:
             cached.append(result.shard_id)
             progress.emit("shard_done", shard_id=shard.shard_id, result=result, cached=True)
-        write_manifest_task(spec, results, len(shards))
+        write_manifest_task(spec, results, len(shards), final=False)
         update_progress_artifact(progress_id, 100.0 * done / len(shards))
         logger.info("shard %s%s: %d rows out, %d rejected (%d/%d shards)", shard.shard_id,
                     " (cached)" if from_cache else "", result.rows_out, result.rows_rejected,
                     done, len(shards))
 
+    results = reject_duplicates_task(spec, shards, results)
+    write_manifest_task(spec, results, len(shards))
     record = record_run_task(spec, results, time.perf_counter() - started, cached)
     logger.info("\n%s", record["summary"])
     return record

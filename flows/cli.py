@@ -138,6 +138,7 @@ class _progress_bar:
         self.bar.start()
         self.shards = self.bar.add_task("shards", total=None)
         self.rows = self.bar.add_task("rows", total=None)
+        self.rows_in_shard: dict[str, int] = {}
         self.unsubscribe = progress.subscribe(self.on_event)
         return self
 
@@ -147,6 +148,9 @@ class _progress_bar:
             self.bar.update(self.rows, total=data["rows"])
         elif event == "rows_done":
             self.bar.advance(self.rows, data["rows"])
+            self.rows_in_shard[data["shard_id"]] = self.rows_in_shard.get(data["shard_id"], 0) + data["rows"]
+        elif event == "shard_restarted":  # its batches run again on a new engine
+            self.bar.advance(self.rows, -self.rows_in_shard.pop(data["shard_id"], 0))
         elif event == "shard_done":
             self.bar.advance(self.shards, 1)
             result = data["result"]

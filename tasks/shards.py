@@ -7,28 +7,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NONE, CachePolicy
 from prefect.filesystems import RemoteFileSystem, WritableFileSystem
 from prefect.tasks import exponential_backoff
 
-from tokenmill.errors import TokenmillError
+from tasks.logs import with_core_logs
+from tokenmill.audit import reject_cross_shard_duplicates
+from tokenmill.errors import InputError
 from tokenmill.manifest import build_manifest
 from tokenmill.outputs import MANIFEST, STATE_DIR, OutputStore
 from tokenmill.runner import ShardResult, run_shard, shard_cache_key
 from tokenmill.shards import ShardSpec, discover_shards
 from tokenmill.spec import JobSpec
+from tokenmill.storage import is_transient as is_transient_error
 
 
 @task(name="discover-shards", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
+@with_core_logs
 def discover_shards_task(spec: JobSpec) -> list[ShardSpec]:
-    return discover_shards(
+    shards = discover_shards(
         spec.input,
         fmt=spec.format,
         max_shard_rows=spec.batching.max_shard_rows,
         max_shard_bytes=spec.batching.max_shard_bytes,
         storage_options=spec.storage_options,
     )
+    empty = sorted({s.uri for s in shards if s.is_empty})
+    if len(empty) == len({s.uri for s in shards}):
+        raise InputError(spec.input, f"every input file is empty ({', '.join(empty[:5])}"
+                                     f"{', ...' if len(empty) > 5 else ''}): there is nothing to run")
+    logger = get_run_logger()
+    for uri in empty:
+        logger.warning("%s has no rows: it is in the manifest with 0 rows and adds nothing", uri)
+    return shards
 
 
 @dataclass
@@ -43,12 +55,8 @@ def is_transient(task, task_run, state) -> bool:
     """Retry I/O hiccups (S3 5xx, throttling, resets); never a data or config error."""
     try:
         state.result()
-    except (TokenmillError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
-        return False  # the same call would fail the same way
-    except (OSError, ConnectionError, TimeoutError):
-        return True
-    except Exception as exc:  # botocore/aiohttp errors arrive wrapped in many types
-        return type(exc).__module__.split(".")[0] in {"botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs"}
+    except Exception as exc:
+        return is_transient_error(exc)
     return False
 
 
@@ -63,6 +71,7 @@ def is_transient(task, task_run, state) -> bool:
     retry_jitter_factor=0.5,
     retry_condition_fn=is_transient,
 )
+@with_core_logs
 def process_shard_task(shard: ShardSpec, spec: JobSpec) -> ShardResult:
     return run_shard(shard, spec)
 
@@ -85,8 +94,14 @@ def state_storage(spec: JobSpec) -> Path | WritableFileSystem:
 
 
 @task(name="write-manifest", retries=2, retry_delay_seconds=[1, 5], cache_policy=NONE)
-def write_manifest_task(spec: JobSpec, results: list[ShardResult], shards_total: int) -> str:
+def write_manifest_task(spec: JobSpec, results: list[ShardResult], shards_total: int, final: bool = True) -> str:
     store = OutputStore(spec.output, spec.storage_options)
     path = store.path(MANIFEST)
-    store.write_json(path, build_manifest(spec, results, shards_total))
+    store.write_json(path, build_manifest(spec, results, shards_total, final))
     return path
+
+
+@task(name="reject-cross-shard-duplicates", retries=2, retry_delay_seconds=[1, 5], cache_policy=NONE)
+@with_core_logs
+def reject_duplicates_task(spec: JobSpec, shards: list[ShardSpec], results: list[ShardResult]) -> list[ShardResult]:
+    return reject_cross_shard_duplicates(spec, shards, results)

@@ -62,3 +62,17 @@ def _close_engines_at_exit():
     from tokenmill.engines import close_engines
 
     close_engines()
+
+
+@pytest.fixture
+def s3_server(monkeypatch):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    yield f"http://{host}:{port}"
+    server.stop()

@@ -4,6 +4,7 @@ import asyncio
 import json
 
 import mlflow
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from prefect.testing.utilities import prefect_test_harness
@@ -117,20 +118,6 @@ def test_overlong_reject_policy_sends_long_documents_to_rejects(tmp_path, embed_
     assert reject["id"] == "long" and "the model takes at most 256" in reject["reason"] and reject["row"] == 1
 
 
-@pytest.fixture
-def s3_server(monkeypatch):
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(name, value)
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 def test_input_and_output_on_s3(tmp_path, corpus, embed_spec, s3_server):
     import s3fs
 
@@ -153,3 +140,84 @@ def test_input_and_output_on_s3(tmp_path, corpus, embed_spec, s3_server):
     # the endpoint and credentials stay out of the run record
     params = mlflow.get_run(record["mlflow_run_id"]).data.params
     assert not any(s3_server in str(v) or "testing-secret" in str(v) for v in params.values())
+
+
+def test_an_id_in_two_shards_is_kept_by_the_first_and_rejected_by_the_later(tmp_path, embed_spec):
+    root = tmp_path / "dups"
+    root.mkdir()
+    # "shared" is in both files; "twice" is in both row groups (two shards) of one file
+    write_parquet(root / "a.parquet", ["a0", "shared", "twice", "a3"], ["one", "two", "three", "four"],
+                  row_group_size=2)
+    write_parquet(root / "a.parquet", ["a0", "shared", "twice", "a3", "twice", "a5"],
+                  ["one", "two", "three", "four", "five", "six"], row_group_size=3)
+    write_parquet(root / "b.parquet", ["b0", "shared", "b2"], ["seven", "eight", "nine"])
+    spec = embed_spec(root, batching={"max_shard_rows": 3})
+    for _ in range(2):  # the second run is all cached: the result must be the same, nothing moved twice
+        batch_flow(spec)
+        out = tmp_path / "out"
+        output_ids = pq.read_table(out).column("id").to_pylist()
+        rejects = pq.read_table(out / "_rejects").to_pylist()
+        assert sorted(output_ids) == ["a0", "a3", "a5", "b0", "b2", "shared", "twice"]
+        assert sorted((r["id"], r["file"].rsplit("/", 1)[-1], r["row"]) for r in rejects) == [
+            ("shared", "b.parquet", 1), ("twice", "a.parquet", 4)]
+        reasons = {r["id"]: r["reason"] for r in rejects}
+        assert reasons["shared"] == ("duplicate id: shard a.parquet.r000000000-000000003 of "
+                                     f"{root / 'a.parquet'} has it too and keeps it")
+        manifest = json.loads((out / "_manifest.json").read_text())
+        totals = manifest["totals"]
+        assert (totals["rows_in"], totals["rows_out"], totals["rows_rejected"]) == (9, 7, 2)
+        assert all(s["rows_in"] == s["rows_out"] + s["rows_rejected"] for s in manifest["shards"])
+
+
+def test_empty_files_are_counted_and_warned_about_and_an_all_empty_input_fails(tmp_path, embed_spec):
+    root = tmp_path / "some-empty"
+    root.mkdir()
+    write_parquet(root / "full.parquet", ["f0", "f1"], ["first", "second"])
+    write_parquet(root / "none.parquet", pa.array([], pa.string()), pa.array([], pa.string()))
+    (root / "none.jsonl").write_bytes(b"")
+    state = batch_flow(embed_spec(root), return_state=True)
+    assert state.is_completed()
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    by_file = {s["uri"].rsplit("/", 1)[-1]: s for s in manifest["shards"]}
+    assert set(by_file) == {"full.parquet", "none.parquet", "none.jsonl"}
+    assert by_file["none.parquet"]["rows_in"] == by_file["none.jsonl"]["rows_in"] == 0
+    logs = asyncio.run(_flow_run_logs(state.state_details.flow_run_id))
+    assert any("none.jsonl has no rows" in line for line in logs)
+
+    (root / "full.parquet").unlink()
+    with pytest.raises(InputError, match=r"every input file is empty \(.*none\.jsonl, .*none\.parquet\)"):
+        batch_flow(embed_spec(root))
+
+
+def test_s3_faults_are_retried_and_the_retries_show_in_the_run_log(tmp_path, corpus, embed_spec, s3_server):
+    import s3fs
+
+    from faulty_s3 import FaultyS3Proxy
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server)
+    fs.mkdir("flaky-bucket")
+    fs.put(str(corpus) + "/", "flaky-bucket/docs/", recursive=True)
+    with FaultyS3Proxy(s3_server, faults=9) as proxy:
+        spec = embed_spec("s3://flaky-bucket/docs/", output="s3://flaky-bucket/embeddings",
+                          storage_options={"endpoint_url": proxy.url}, batching={"max_shard_rows": 20})
+        state = batch_flow(spec, return_state=True)
+    assert state.is_completed() and len(proxy.injected) == 9
+    fs.invalidate_cache()
+    ids = pq.read_table("flaky-bucket/embeddings", filesystem=fs).column("id").to_pylist()
+    rejects = pq.read_table("flaky-bucket/embeddings/_rejects", filesystem=fs).column("id").to_pylist()
+    assert set(ids) == all_input_ids() - {"b1", "b2"} and len(ids) + len(rejects) == 43
+    logs = asyncio.run(_flow_run_logs(state.state_details.flow_run_id))
+    retries = [line for line in logs if "; retry " in line]
+    assert sum("injected SlowDown" in line for line in retries) >= 2, logs
+    assert sum("injected InternalError" in line for line in retries) >= 2, logs
+
+
+async def _flow_run_logs(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    await APILogHandler.aflush()
+    async with get_client() as client:
+        logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
+    return [log.message for log in logs]

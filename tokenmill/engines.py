@@ -106,14 +106,32 @@ _engines: dict[tuple, Engine] = {}
 _engines_lock = threading.Lock()
 
 
+def _engine_key(model_path: str, spec: JobSpec) -> tuple:
+    return (model_path, spec.mode, spec.model.model_dump_json(), spec.batching.max_batch_size)
+
+
 def get_engine(model_path: str, spec: JobSpec) -> Engine:
     """The process's engine for this model spec and mode, started on first use."""
-    key = (model_path, spec.mode, spec.model.model_dump_json(), spec.batching.max_batch_size)
+    key = _engine_key(model_path, spec)
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None:
             engine = _engines[key] = VLLMEngine(model_path, spec)
         return engine
+
+
+def discard_engine(model_path: str, spec: JobSpec) -> None:
+    """Forget (and close what is left of) the engine, so the next get_engine starts a new one."""
+    with _engines_lock:
+        engine = _engines.pop(_engine_key(model_path, spec), None)
+    if engine is not None:
+        engine.close()
+
+
+def engine_died(exc: BaseException) -> bool:
+    """Whether an error means the engine's process is gone (killed, out of memory), not a bad input."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"EngineDeadError", "EngineDied"})
 
 
 def close_engines() -> None:

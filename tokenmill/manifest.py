@@ -9,7 +9,9 @@ from tokenmill.runner import OUTPUT_FORMAT_VERSION, ShardResult
 from tokenmill.spec import JobSpec
 
 
-def build_manifest(spec: JobSpec, results: Iterable[ShardResult], shards_total: int) -> dict[str, Any]:
+def build_manifest(spec: JobSpec, results: Iterable[ShardResult], shards_total: int,
+                   final: bool = True) -> dict[str, Any]:
+    """final=False while the job runs: the counts so far, never marked complete."""
     results = sorted(results, key=lambda r: r.shard_id)
     totals = {key: sum(getattr(r, key) for r in results)
               for key in ("rows_in", "rows_out", "rows_rejected", "rows_truncated", "input_tokens", "output_tokens")}
@@ -19,7 +21,7 @@ def build_manifest(spec: JobSpec, results: Iterable[ShardResult], shards_total: 
         "mode": spec.mode,
         "model": spec.model_name,
         "input": spec.input,
-        "complete": len(results) == shards_total,
+        "complete": final and len(results) == shards_total,
         "shards_total": shards_total,
         "shards_done": len(results),
         "totals": totals,

@@ -21,9 +21,10 @@ import posixpath
 import uuid
 from typing import Any
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from tokenmill.storage import retry_io, url_to_fs
 
 MANIFEST = "_manifest.json"
 REJECTS_DIR = "_rejects"
@@ -45,7 +46,7 @@ REJECTS_SCHEMA = pa.schema(
 class OutputStore:
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None):
         self.uri = uri
-        self.fs, self.root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        self.fs, self.root = url_to_fs(uri, storage_options)
         self.local = "file" in _protocols(self.fs)
 
     def path(self, *parts: str) -> str:
@@ -57,10 +58,17 @@ class OutputStore:
     def shard_rejects(self, shard_id: str) -> str:
         return self.path(REJECTS_DIR, f"{shard_id}.parquet")
 
+    def shard_duplicates(self, shard_id: str) -> str:
+        """Rows whose id an earlier shard has (see tokenmill.audit)."""
+        return self.path(REJECTS_DIR, f"{shard_id}.duplicates.parquet")
+
     def shard_record(self, shard_id: str) -> str:
         return self.path(SHARDS_DIR, f"{shard_id}.json")
 
     def write_bytes(self, path: str, data: bytes) -> None:
+        retry_io(lambda: self._write_bytes(path, data), f"writing {path}")
+
+    def _write_bytes(self, path: str, data: bytes) -> None:
         if self.local:
             self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
             temporary = f"{path}.tmp-{uuid.uuid4().hex}"
@@ -81,11 +89,26 @@ class OutputStore:
         self.write_bytes(path, json.dumps(value, indent=2, sort_keys=False, default=str).encode())
 
     def read_json(self, path: str) -> Any:
-        with self.fs.open(path, "rb") as handle:
-            return json.load(handle)
+        return json.loads(self.read_bytes(path))
+
+    def read_bytes(self, path: str) -> bytes:
+        return retry_io(lambda: self.fs.cat_file(path), f"reading {path}")
+
+    def read_table(self, path: str, columns: list[str] | None = None) -> pa.Table:
+        data = self.read_bytes(path)
+        return pq.read_table(pa.BufferReader(data), columns=columns)
 
     def exists(self, path: str) -> bool:
-        return self.fs.exists(path)
+        return retry_io(lambda: self.fs.exists(path), f"checking {path}")
+
+    def delete(self, path: str) -> None:
+        """Remove a file if it is there."""
+        def remove() -> None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+        retry_io(remove, f"deleting {path}")
 
 
 def rejects_table(shard_id: str, uri: str, rows: list[tuple[int, object, str]], by_byte_offset: bool) -> pa.Table:

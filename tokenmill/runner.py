@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from typing import Sequence
 
@@ -16,12 +17,15 @@ from pydantic import BaseModel
 
 from tokenmill import progress
 from tokenmill.bucketing import PaddingStats, fixed_batches, padding_stats, plan_batches, restore_order
-from tokenmill.engines import Engine, get_engine
+from tokenmill.engines import Engine, discard_engine, engine_died, get_engine
 from tokenmill.models import load_tokenizer, model_input_limit, resolve_model
 from tokenmill.outputs import OutputStore, rejects_table
 from tokenmill.schema import validate_rows
 from tokenmill.shards import ROW_NUMBER, ShardSpec, read_shard
 from tokenmill.spec import JobSpec
+from tokenmill.storage import describe_error
+
+log = logging.getLogger(__name__)
 
 OUTPUT_FORMAT_VERSION = 1
 
@@ -90,21 +94,26 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     )
     progress.emit("shard_started", shard_id=shard.shard_id, rows=valid.num_rows)
     engine_seconds = 0.0
-    results_by_batch = []
+    results_by_batch: list = []
     if batches:
-        engine = engine or get_engine(model_path, spec)
-    for batch in batches:
-        batch_ids = [encoded.token_ids[i] for i in batch]
-        batch_started = time.perf_counter()
-        if spec.mode == "embed":
-            results_by_batch.append(engine.embed(batch_ids))
-        else:
-            results_by_batch.append(engine.generate(batch_ids, spec.generation))
-        engine_seconds += time.perf_counter() - batch_started
-        progress.emit("rows_done", shard_id=shard.shard_id, rows=len(batch))
+        try:
+            results_by_batch, engine_seconds = run_batches(engine or get_engine(model_path, spec), batches,
+                                                           encoded.token_ids, spec, shard.shard_id)
+        except Exception as exc:
+            if not engine_died(exc):
+                raise
+            # A killed or crashed engine process, not a bad row: start a new engine once and redo this
+            # shard's batches. A second death fails the shard.
+            log.warning("engine died during shard %s (%s); restarting it once and retrying the shard",
+                        shard.shard_id, describe_error(exc))
+            progress.emit("shard_restarted", shard_id=shard.shard_id)
+            discard_engine(model_path, spec)
+            results_by_batch, engine_seconds = run_batches(get_engine(model_path, spec), batches,
+                                                           encoded.token_ids, spec, shard.shard_id)
     results = restore_order(batches, results_by_batch)
 
     output = build_output(valid, spec, results, lengths, encoded.truncated)
+    store.delete(store.shard_duplicates(shard.shard_id))  # the new output has every row; the audit re-decides
     store.write_table(store.shard_output(shard.shard_id), output)
     store.write_table(
         store.shard_rejects(shard.shard_id),
@@ -135,6 +144,23 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     store.write_json(store.shard_record(shard.shard_id), result.model_dump())
     progress.emit("shard_done", shard_id=shard.shard_id, result=result)
     return result
+
+
+def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[int]], spec: JobSpec,
+                shard_id: str) -> tuple[list, float]:
+    """Each batch through the engine, as cut. Returns (results per batch, seconds in the engine)."""
+    results_by_batch = []
+    engine_seconds = 0.0
+    for batch in batches:
+        batch_ids = [token_ids[i] for i in batch]
+        batch_started = time.perf_counter()
+        if spec.mode == "embed":
+            results_by_batch.append(engine.embed(batch_ids))
+        else:
+            results_by_batch.append(engine.generate(batch_ids, spec.generation))
+        engine_seconds += time.perf_counter() - batch_started
+        progress.emit("rows_done", shard_id=shard_id, rows=len(batch))
+    return results_by_batch, engine_seconds
 
 
 def shard_cache_key(shard: ShardSpec, spec: JobSpec) -> str:

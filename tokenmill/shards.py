@@ -13,12 +13,12 @@ import posixpath
 import re
 from typing import Any, Iterator, Literal
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict
 
 from tokenmill.errors import InputError
+from tokenmill.storage import is_transient, retry_io, url_to_fs
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -43,6 +43,11 @@ class ShardSpec(BaseModel):
     fingerprint: str = ""
 
     @property
+    def is_empty(self) -> bool:
+        """A file with no rows (Parquet) or no bytes (JSONL)."""
+        return self.row_end == self.row_start if self.format == "parquet" else self.byte_end == self.byte_start
+
+    @property
     def expected_rows(self) -> int | None:
         return self.row_end - self.row_start if self.format == "parquet" else None
 
@@ -58,30 +63,37 @@ def discover_shards(
     fs, root, files = list_input_files(input_uri, storage_options)
     shards: list[ShardSpec] = []
     for path in files:
-        file_format = detect_format(path, fmt)
-        info = fs.info(path)
-        uri = fs.unstrip_protocol(path) if fs.protocol not in ("file", ("file", "local")) else path
-        base = dict(
-            uri=uri,
-            format=file_format,
-            file_size=int(info.get("size") or 0),
-            file_version=_file_version(info),
-        )
-        name = _shard_name(root, path)
-        if file_format == "parquet":
-            pieces = _parquet_pieces(fs, path, uri, max_shard_rows)
-            for start, end, groups in pieces:
-                shards.append(_finish(ShardSpec(shard_id=f"{name}.r{start:09d}-{end:09d}",
-                                                row_start=start, row_end=end, row_groups=groups, **base)))
-        else:
-            for start, end in _jsonl_ranges(fs, path, base["file_size"], max_shard_bytes):
-                shards.append(_finish(ShardSpec(shard_id=f"{name}.b{start:012d}-{end:012d}",
-                                                byte_start=start, byte_end=end, **base)))
+        shards += retry_io(lambda: _plan_file(fs, root, path, fmt, max_shard_rows, max_shard_bytes),
+                           f"planning shards of {path}")
     return shards
 
 
+def _plan_file(fs, root: str, path: str, fmt: str, max_shard_rows: int, max_shard_bytes: int) -> list[ShardSpec]:
+    """The shards of one file. A file with no rows still gets one (empty) shard, so the
+    manifest accounts for it instead of the file vanishing from the job."""
+    file_format = detect_format(path, fmt)
+    info = fs.info(path)
+    uri = fs.unstrip_protocol(path) if fs.protocol not in ("file", ("file", "local")) else path
+    base = dict(uri=uri, format=file_format, file_size=int(info.get("size") or 0), file_version=_file_version(info))
+    name = _shard_name(root, path)
+    if file_format == "parquet":
+        if base["file_size"] == 0:
+            raise InputError(uri, "file is empty (0 bytes), so not a Parquet file: a Parquet file has at least "
+                                  "a header and a footer")
+        pieces = _parquet_pieces(fs, path, uri, max_shard_rows) or [(0, 0, ())]
+        return [_finish(ShardSpec(shard_id=f"{name}.r{start:09d}-{end:09d}", row_start=start, row_end=end,
+                                  row_groups=groups, **base)) for start, end, groups in pieces]
+    ranges = list(_jsonl_ranges(fs, path, base["file_size"], max_shard_bytes)) or [(0, 0)]
+    return [_finish(ShardSpec(shard_id=f"{name}.b{start:012d}-{end:012d}", byte_start=start, byte_end=end, **base))
+            for start, end in ranges]
+
+
 def list_input_files(input_uri: str, storage_options: dict[str, Any] | None = None):
-    fs, path = fsspec.core.url_to_fs(input_uri, **(storage_options or {}))
+    fs, path = url_to_fs(input_uri, storage_options)
+    return retry_io(lambda: _list_files(fs, input_uri, path), f"listing {input_uri}")
+
+
+def _list_files(fs, input_uri: str, path: str):
     if any(ch in path for ch in "*?["):
         files = sorted(p for p in fs.glob(path) if fs.isfile(p))
         root = _glob_root(path)
@@ -117,10 +129,11 @@ def read_shard(shard: ShardSpec, columns: list[str], storage_options: dict[str, 
     The table holds `columns` (those the file has) plus ROW_NUMBER. bad_rows lists
     (row_number, reason) for JSONL lines that are not a JSON object; Parquet has none.
     """
-    fs, path = fsspec.core.url_to_fs(shard.uri, **(storage_options or {}))
+    fs, path = url_to_fs(shard.uri, storage_options)
     if shard.format == "parquet":
-        return _read_parquet_shard(fs, path, shard, columns), []
-    return _read_jsonl_shard(fs, path, shard, columns)
+        return retry_io(lambda: _read_parquet_shard(fs, path, shard, columns), f"reading {shard.shard_id}"), []
+    data = retry_io(lambda: _read_bytes(fs, path, shard.byte_start, shard.byte_end), f"reading {shard.shard_id}")
+    return _parse_jsonl_shard(data, shard, columns)
 
 
 # --- Parquet -----------------------------------------------------------------
@@ -158,7 +171,9 @@ def _parquet_metadata(fs, path: str, uri: str):
     try:
         with fs.open(path, "rb") as handle:
             return pq.ParquetFile(handle).metadata
-    except (pa.ArrowInvalid, pa.ArrowException, OSError, ValueError) as exc:
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        if is_transient(exc):
+            raise  # the store's trouble, not the file's: retried
         raise InputError(uri, f"not a readable Parquet file ({exc})") from exc
 
 
@@ -167,9 +182,14 @@ def _read_parquet_shard(fs, path: str, shard: ShardSpec, columns: list[str]) -> 
         with fs.open(path, "rb") as handle:
             parquet = pq.ParquetFile(handle)
             present = [c for c in columns if c in parquet.schema_arrow.names]
+            if not shard.row_groups:  # a file with no rows: its columns still say whether it fits the job
+                empty = parquet.schema_arrow.empty_table().select(present)
+                return empty.append_column(ROW_NUMBER, pa.array([], pa.int64()))
             table = parquet.read_row_groups(list(shard.row_groups), columns=present)
             first_row = sum(parquet.metadata.row_group(i).num_rows for i in range(shard.row_groups[0]))
-    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+    except (pa.ArrowException, OSError) as exc:
+        if is_transient(exc):
+            raise
         raise InputError(shard.uri, f"cannot read Parquet row groups {list(shard.row_groups)} ({exc})") from exc
     table = table.slice(shard.row_start - first_row, shard.row_end - shard.row_start)
     rows = pa.array(range(shard.row_start, shard.row_start + table.num_rows), pa.int64())
@@ -204,10 +224,15 @@ def _next_line_start(handle, offset: int, size: int) -> int:
     return size
 
 
-def _read_jsonl_shard(fs, path: str, shard: ShardSpec, columns: list[str]):
+def _read_bytes(fs, path: str, start: int, end: int) -> bytes:
+    if end <= start:
+        return b""
     with fs.open(path, "rb") as handle:
-        handle.seek(shard.byte_start)
-        data = handle.read(shard.byte_end - shard.byte_start)
+        handle.seek(start)
+        return handle.read(end - start)
+
+
+def _parse_jsonl_shard(data: bytes, shard: ShardSpec, columns: list[str]):
     values: dict[str, list] = {c: [] for c in columns}
     row_numbers: list[int] = []
     bad_rows: list[tuple[int, str]] = []
