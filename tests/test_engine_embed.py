@@ -55,3 +55,27 @@ def test_a_shard_is_written_in_input_order_with_token_counts(tmp_path, spec, eng
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
     assert sum(r.rows_out for r in results) == len(TEXTS)
     assert all(n > 2 for n in table.column("input_tokens").to_pylist())
+
+
+def test_a_dead_engine_is_restarted_once_and_the_shard_redone(tmp_path, spec, engine, caplog):
+    """Last in this module: it kills the module's engine (others get the restarted one)."""
+    import logging
+    import os
+    import signal
+
+    ids = [f"row-{i}" for i in range(len(TEXTS))]
+    write_parquet(tmp_path / "in.parquet", ids, TEXTS)
+    job = spec.model_copy(update={"input": str(tmp_path / "in.parquet"), "output": str(tmp_path / "out")})
+    (shard,) = discover_shards(job.input)
+    core = engine.llm.llm_engine.engine_core.resources.engine_manager.processes[0]
+    os.kill(core.pid, signal.SIGKILL)  # as the OOM killer or a crashed kernel would
+    core.join(timeout=30)
+
+    with caplog.at_level(logging.WARNING, logger="tokenmill"):
+        result = run_shard(shard, job)
+    assert result.rows_out == len(TEXTS)
+    assert pq.read_table(tmp_path / "out").column("id").to_pylist() == ids
+    (message,) = [r.getMessage() for r in caplog.records if "engine died" in r.getMessage()]
+    assert message.startswith(f"engine died during shard {shard.shard_id} (EngineDeadError")
+    assert "restarting it once and retrying the shard" in message
+    assert get_engine(resolve_model(spec.model_name), job) is not engine

@@ -1,5 +1,6 @@
 """Spot safety: a run killed mid-way resumes without redoing a finished shard."""
 
+import json
 import os
 import signal
 import subprocess
@@ -33,20 +34,85 @@ def test_cache_key_follows_what_the_output_depends_on(tmp_path):
     assert key != shard_cache_key(shard.model_copy(update={"fingerprint": "other"}), base)
 
 
-@pytest.mark.engine
-def test_a_killed_run_resumes_with_finished_shards_cached(tmp_path):
+class LocalOutput:
+    def __init__(self, tmp_path):
+        self.uri = str(tmp_path / "out")
+        self.options: dict = {}
+
+    def listdir(self, name):
+        path = os.path.join(self.uri, name)
+        return set(os.listdir(path)) if os.path.exists(path) else set()
+
+    def read(self, text):
+        with open(os.path.join(self.uri, text)) as handle:
+            return handle.read()
+
+    def exists(self, name):
+        return os.path.exists(os.path.join(self.uri, name))
+
+    def table(self, name=""):
+        return pq.read_table(os.path.join(self.uri, name) if name else self.uri)
+
+
+class S3Output:
+    def __init__(self, endpoint):
+        import s3fs
+
+        self.fs = s3fs.S3FileSystem(endpoint_url=endpoint)
+        self.fs.mkdir("resume-bucket")
+        self.uri = "s3://resume-bucket/out"
+        self.options = {"endpoint_url": endpoint}
+
+    def listdir(self, name):
+        path = f"resume-bucket/out/{name}"
+        self.fs.invalidate_cache()
+        return {p.rsplit("/", 1)[-1] for p in self.fs.ls(path)} if self.fs.exists(path) else set()
+
+    def read(self, name):
+        return self.fs.cat_file(f"resume-bucket/out/{name}").decode()
+
+    def exists(self, name):
+        self.fs.invalidate_cache()
+        return self.fs.exists(f"resume-bucket/out/{name}")
+
+    def table(self, name=""):
+        self.fs.invalidate_cache()
+        return pq.read_table(f"resume-bucket/out/{name}".rstrip("/"), filesystem=self.fs)
+
+
+@pytest.fixture(params=["local", "s3"])
+def output(request, tmp_path):
+    if request.param == "local":
+        return LocalOutput(tmp_path)
+    return S3Output(request.getfixturevalue("s3_server"))
+
+
+def write_corpus(tmp_path, rows):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    ids = [f"r{i:04d}" for i in range(1200)]
-    texts = [SENTENCE * (1 + i % 6) for i in range(1200)]
+    ids = [f"r{i:04d}" for i in range(rows)]
+    texts = [SENTENCE * (1 + i % 6) for i in range(rows)]
     texts[7] = ""  # one bad row, so rejects are part of the count
     write_parquet(corpus / "docs.parquet", ids, texts, row_group_size=100)
-    out = tmp_path / "out"
-    args = [sys.executable, "-m", "flows.cli", "run", "--input", str(corpus), "--output", str(out),
-            "--max-shard-rows", "100", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--no-progress",
+    return corpus, ids
+
+
+def cli_args(corpus, output, tracking_db):
+    args = [sys.executable, "-m", "flows.cli", "run", "--input", str(corpus), "--output", output.uri,
+            "--max-shard-rows", "100", "--tracking-uri", f"sqlite:///{tracking_db}", "--no-progress",
             "--set", "model.engine_kwargs={gpu_memory_utilization: 0.1}"]
+    if output.options:
+        args += ["--set", f"storage_options={{endpoint_url: '{output.options['endpoint_url']}'}}"]
+    return args
+
+
+@pytest.mark.engine
+def test_a_killed_run_resumes_with_finished_shards_cached(tmp_path, output):
+    corpus, ids = write_corpus(tmp_path, 1200)
+    args = cli_args(corpus, output, tmp_path / "mlflow.db")
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / ".prefect"))
-    spec = JobSpec(input=str(corpus), output=str(out), model=ModelSpec(engine_kwargs={"gpu_memory_utilization": 0.1}))
+    spec = JobSpec(input=str(corpus), output=output.uri, storage_options=output.options,
+                   model=ModelSpec(engine_kwargs={"gpu_memory_utilization": 0.1}))
     keys = {shard_cache_key(s, spec): s.shard_id for s in discover_shards(str(corpus), max_shard_rows=100)}
     assert len(keys) == 12
 
@@ -55,15 +121,14 @@ def test_a_killed_run_resumes_with_finished_shards_cached(tmp_path):
     finished: set[str] = set()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and first.poll() is None:
-        stored = set(os.listdir(out / "_state")) if (out / "_state").exists() else set()
-        finished = {keys[k] for k in stored if k in keys}
+        finished = {keys[k] for k in output.listdir("_state") if k in keys}
         if len(finished) >= 3:
             break
         time.sleep(0.1)
     os.killpg(first.pid, signal.SIGKILL)  # the engine's processes die with it, as on a preempted node
     first.wait(timeout=30)
     assert 3 <= len(finished) < 12, f"wanted a kill mid-run; {len(finished)} shards had finished"
-    assert not (out / "_manifest.json").exists() or '"complete": false' in (out / "_manifest.json").read_text()
+    assert not output.exists("_manifest.json") or '"complete": false' in output.read("_manifest.json")
 
     second = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -71,8 +136,8 @@ def test_a_killed_run_resumes_with_finished_shards_cached(tmp_path):
     cached = {line.split("shard ")[1].split(" (cached)")[0] for line in log.splitlines() if " (cached):" in line}
     assert finished <= cached
 
-    outputs = pq.read_table(out).column("id").to_pylist()
-    rejects = pq.read_table(out / "_rejects").column("id").to_pylist()
+    outputs = output.table().column("id").to_pylist()
+    rejects = output.table("_rejects").column("id").to_pylist()
     assert sorted(outputs + rejects) == ids  # every input id exactly once
     run_id = second.stdout.split("MLflow:    run ")[1].split(":")[0]
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
@@ -86,6 +151,31 @@ def test_a_killed_run_resumes_with_finished_shards_cached(tmp_path):
     assert third.returncode == 0 and log3.count(" (cached):") == 12
     # a finished job does no inference at all: the engine is never even started
     assert ENGINE_STARTED in log and ENGINE_STARTED not in log3
+
+
+@pytest.mark.engine
+def test_two_runs_of_the_same_job_at_once_end_with_one_complete_output(tmp_path):
+    corpus, ids = write_corpus(tmp_path, 600)
+    output = LocalOutput(tmp_path)
+    runs = []
+    for name in ("one", "two"):  # two machines: each its own Prefect and MLflow, one shared output
+        args = cli_args(corpus, output, tmp_path / f"mlflow-{name}.db")
+        env = dict(os.environ, PREFECT_HOME=str(tmp_path / f".prefect-{name}"))
+        runs.append(subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True))
+    logs = [run.communicate(timeout=600)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+
+    out = tmp_path / "out"
+    assert not list(out.rglob("*.tmp-*"))  # no temporary file left behind
+    outputs = pq.read_table(out).column("id").to_pylist()
+    rejects = pq.read_table(out / "_rejects").column("id").to_pylist()
+    assert sorted(outputs + rejects) == ids
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["complete"] and manifest["totals"]["rows_in"] == 600
+    assert manifest["totals"]["rows_out"] == len(outputs) == 599
+    for path in out.glob("*.parquet"):
+        assert pq.read_metadata(path).num_rows == 100 - (path.name.startswith("docs.parquet.r000000000"))
 
 
 def keys_by_row(row_id: str) -> str:
