@@ -1,4 +1,4 @@
-# tokenmill: `make run` runs the demo job, `make test` runs the tests.
+# tokenmill: `make run` runs the demo job, `make test` runs the tests, `make bench` the benchmarks.
 # Both create .venv and install on first use. ENGINE=gpu installs vLLM's CUDA build instead.
 
 PYTHON ?= python3
@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: install run test clean
+.PHONY: install run test bench clean
 
 install: $(STAMP)
 
@@ -41,6 +41,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
 
 clean:
 	rm -rf output mlflow.db mlruns

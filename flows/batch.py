@@ -8,6 +8,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from flows.gate import GateFailed, gate_flow
 from tasks.record import record_run_task
 from tasks.shards import (
     discover_shards_task,
@@ -17,7 +18,9 @@ from tasks.shards import (
     write_manifest_task,
 )
 from tokenmill import progress
+from tokenmill.gate import candidate_model
 from tokenmill.spec import JobSpec
+from tokenmill.tracking import log_gate_run
 
 
 @flow(name="tokenmill-batch")
@@ -25,6 +28,17 @@ def batch_flow(spec: JobSpec = JobSpec()) -> dict[str, Any]:
     """Embed or generate over a corpus of Parquet or JSONL files, shard by shard."""
     logger = get_run_logger()
     started = time.perf_counter()
+    gate_report = None
+    if spec.gate is not None:
+        gate_report = gate_flow(spec, record=False)
+        if gate_report.action == "fail":
+            log_gate_run(spec, gate_report)
+            raise GateFailed(gate_report.message())
+        chosen = candidate_model(spec) if gate_report.action == "candidate" else spec.gate.reference
+        if gate_report.action == "reference":
+            logger.warning("the candidate failed the gate; running the corpus with the reference %s",
+                           gate_report.reference.model)
+        spec = spec.model_copy(update={"model": chosen})
     shards = discover_shards_task(spec)
     expected = [s.expected_rows for s in shards]
     logger.info("%d shards from %s", len(shards), spec.input)
@@ -49,6 +63,6 @@ def batch_flow(spec: JobSpec = JobSpec()) -> dict[str, Any]:
 
     results = reject_duplicates_task(spec, shards, results)
     write_manifest_task(spec, results, len(shards))
-    record = record_run_task(spec, results, time.perf_counter() - started, cached)
+    record = record_run_task(spec, results, time.perf_counter() - started, cached, gate_report=gate_report)
     logger.info("\n%s", record["summary"])
     return record

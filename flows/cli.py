@@ -29,6 +29,7 @@ FLAG_FIELDS = {  # flag -> dotted JobSpec field
     "format": "format",
     "mode": "mode",
     "model": "model.name",
+    "engine": "model.engine",
     "id_column": "id_column",
     "text_column": "text_column",
     "overlong": "overlong",
@@ -46,25 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run a batch job (no arguments: the demo on the sample corpus)")
-    run.add_argument("--config", type=Path, help="job YAML; flags override it")
-    run.add_argument("--input", help="file, directory or glob; local or s3://")
-    run.add_argument("--output", help="output directory; local or s3://")
-    run.add_argument("--format", choices=["auto", "parquet", "jsonl"])
-    run.add_argument("--mode", choices=["embed", "generate"])
-    run.add_argument("--model", help="path, Hugging Face name, or built-in alias")
-    run.add_argument("--id-column", dest="id_column")
-    run.add_argument("--text-column", dest="text_column")
-    run.add_argument("--overlong", choices=["truncate", "reject"])
-    run.add_argument("--max-tokens", dest="max_tokens", type=int)
-    run.add_argument("--token-budget", dest="token_budget", type=int)
-    run.add_argument("--max-batch-size", dest="max_batch_size", type=int)
-    run.add_argument("--max-shard-rows", dest="max_shard_rows", type=int)
-    run.add_argument("--tracking-uri", dest="tracking_uri")
-    run.add_argument("--experiment")
-    run.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                     help="any JobSpec field, dotted, YAML value: --set model.engine_kwargs.max_model_len=512")
+    _add_job_arguments(run)
     run.add_argument("--print-spec", action="store_true", help="print the resolved job spec and exit")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    gate = commands.add_parser("gate", help="run the job's eval gate alone: candidate against reference")
+    _add_job_arguments(gate)
 
     sample = commands.add_parser("sample-corpus", help="write the realistic sample corpus")
     sample.add_argument("directory", type=Path)
@@ -72,6 +60,27 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--files", type=int, default=4)
     sample.add_argument("--row-group-size", type=int, default=1_000)
     return parser
+
+
+def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="job YAML; flags override it")
+    parser.add_argument("--input", help="file, directory or glob; local or s3://")
+    parser.add_argument("--output", help="output directory; local or s3://")
+    parser.add_argument("--format", choices=["auto", "parquet", "jsonl"])
+    parser.add_argument("--mode", choices=["embed", "generate"])
+    parser.add_argument("--model", help="path, Hugging Face name, or built-in alias")
+    parser.add_argument("--engine", choices=["vllm", "transformers"], help="default: vllm")
+    parser.add_argument("--id-column", dest="id_column")
+    parser.add_argument("--text-column", dest="text_column")
+    parser.add_argument("--overlong", choices=["truncate", "reject"])
+    parser.add_argument("--max-tokens", dest="max_tokens", type=int)
+    parser.add_argument("--token-budget", dest="token_budget", type=int)
+    parser.add_argument("--max-batch-size", dest="max_batch_size", type=int)
+    parser.add_argument("--max-shard-rows", dest="max_shard_rows", type=int)
+    parser.add_argument("--tracking-uri", dest="tracking_uri")
+    parser.add_argument("--experiment")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="any JobSpec field, dotted, YAML value: --set model.engine_kwargs.max_model_len=512")
 
 
 def spec_from_args(args: argparse.Namespace):
@@ -117,6 +126,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"Cost:      ${metrics['usd_per_1m_tokens']:.4f} per 1M tokens (spot)")
     print(f"MLflow:    run {record['mlflow_run_id']}: mlflow ui --backend-store-uri {spec.tracking.mlflow_tracking_uri}")
     print("Prefect:   prefect server start, then http://127.0.0.1:4200/runs")
+    return 0
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    if spec.gate is None:
+        print("tokenmill: error: the job has no gate section (gate.reference, gate.candidate, ...)", file=sys.stderr)
+        return 2
+    from flows.gate import gate_flow
+
+    report = gate_flow(spec)
+    print(report.message())
     return 0
 
 
@@ -179,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "sample-corpus": cmd_sample_corpus}[args.command](args)
+        return {"run": cmd_run, "gate": cmd_gate, "sample-corpus": cmd_sample_corpus}[args.command](args)
     except (TokenmillError, ValidationError) as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2

@@ -16,14 +16,17 @@ from tokenmill.tracking import job_params, log_run, run_metrics, shard_rows, sum
 
 @task(name="record-run", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
 def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: float,
-                    cached_shard_ids: list[str] | None = None, tags: dict[str, str] | None = None) -> dict[str, Any]:
+                    cached_shard_ids: list[str] | None = None, tags: dict[str, str] | None = None,
+                    gate_report=None) -> dict[str, Any]:
     """The MLflow run and the Prefect artifacts for one finished job."""
     metrics = run_metrics(results, wall_seconds, spec, set(cached_shard_ids or ()))
-    engine, device = describe_engine()
+    engine, device = describe_engine(spec)
     params = job_params(spec, engine, resolve_model(spec.model_name), device)
     manifest = build_manifest(spec, results, len(results))
-    run_id = log_run(spec, params, metrics, results, manifest, tags)
+    run_id = log_run(spec, params, metrics, results, manifest, tags, gate_report)
     summary = summary_markdown(spec, metrics, results)
+    if gate_report is not None:
+        summary += f"\n```\n{gate_report.message()}\n```\n"
     summary += f"\nMLflow run `{run_id}` in experiment `{spec.tracking.experiment}` at `{spec.tracking.mlflow_tracking_uri}`\n"
     create_markdown_artifact(summary, key="tokenmill-summary", description="tokenmill run summary")
     if results:

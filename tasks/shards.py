@@ -9,10 +9,11 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE, CachePolicy
-from prefect.filesystems import RemoteFileSystem, WritableFileSystem
+from prefect.filesystems import WritableFileSystem
 from prefect.tasks import exponential_backoff
 
 from tasks.logs import with_core_logs
+from tasks.storage import StateStorage, with_storage_secrets
 from tokenmill.audit import reject_cross_shard_duplicates
 from tokenmill.errors import InputError
 from tokenmill.manifest import build_manifest
@@ -26,6 +27,7 @@ from tokenmill.storage import is_transient as is_transient_error
 @task(name="discover-shards", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
 @with_core_logs
 def discover_shards_task(spec: JobSpec) -> list[ShardSpec]:
+    spec = with_storage_secrets(spec)
     shards = discover_shards(
         spec.input,
         fmt=spec.format,
@@ -73,7 +75,7 @@ def is_transient(task, task_run, state) -> bool:
 )
 @with_core_logs
 def process_shard_task(shard: ShardSpec, spec: JobSpec) -> ShardResult:
-    return run_shard(shard, spec)
+    return run_shard(shard, with_storage_secrets(spec))
 
 
 def state_storage(spec: JobSpec) -> Path | WritableFileSystem:
@@ -82,19 +84,20 @@ def state_storage(spec: JobSpec) -> Path | WritableFileSystem:
 
     Prefect takes a local path as is; remote storage must be a saved block. Its name
     derives from the output URI, so every run of the job finds the same block.
-    Credentials stay in the environment: only the fsspec options are saved.
+    Credentials stay in the environment or the job's storage block: only the fsspec options
+    and the block's name are saved.
     """
-    store = OutputStore(spec.output, spec.storage_options)
-    if store.local:
-        return Path(store.path(STATE_DIR))
+    if "://" not in spec.output or spec.output.startswith("file://"):
+        return Path(OutputStore(spec.output).path(STATE_DIR))
     basepath = f"{spec.output.rstrip('/')}/{STATE_DIR}"
-    block = RemoteFileSystem(basepath=basepath, settings=spec.storage_options)
+    block = StateStorage(basepath=basepath, settings=spec.storage_options, storage_block=spec.storage_block)
     block.save(f"tokenmill-state-{hashlib.sha256(basepath.encode()).hexdigest()[:16]}", overwrite=True)
     return block
 
 
 @task(name="write-manifest", retries=2, retry_delay_seconds=[1, 5], cache_policy=NONE)
 def write_manifest_task(spec: JobSpec, results: list[ShardResult], shards_total: int, final: bool = True) -> str:
+    spec = with_storage_secrets(spec)
     store = OutputStore(spec.output, spec.storage_options)
     path = store.path(MANIFEST)
     store.write_json(path, build_manifest(spec, results, shards_total, final))
@@ -104,4 +107,4 @@ def write_manifest_task(spec: JobSpec, results: list[ShardResult], shards_total:
 @task(name="reject-cross-shard-duplicates", retries=2, retry_delay_seconds=[1, 5], cache_policy=NONE)
 @with_core_logs
 def reject_duplicates_task(spec: JobSpec, shards: list[ShardSpec], results: list[ShardResult]) -> list[ShardResult]:
-    return reject_cross_shard_duplicates(spec, shards, results)
+    return reject_cross_shard_duplicates(with_storage_secrets(spec), shards, results)

@@ -63,3 +63,14 @@ def test_restore_order_refuses_a_short_batch():
 def test_empty_input_makes_no_batches():
     assert plan_batches([], 100, 10) == []
     assert padding_stats([], []).padding_fraction == 0.0
+
+
+def test_input_order_batches_keep_order_and_respect_the_budget():
+    from tokenmill.bucketing import input_order_batches
+
+    lengths = [10, 200, 12, 11, 190, 9, 8, 300]
+    batches = input_order_batches(lengths, token_budget=400, max_batch_size=3)
+    assert [i for batch in batches for i in batch] == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[i] for i in b) <= 400 or len(b) == 1 for b in batches)
+    assert all(len(b) <= 3 for b in batches)
+    assert batches[0] == [0, 1]  # a third row would make 3 x 200 > 400

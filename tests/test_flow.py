@@ -221,3 +221,42 @@ async def _flow_run_logs(flow_run_id) -> list[str]:
     async with get_client() as client:
         logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
     return [log.message for log in logs]
+
+
+def test_s3_credentials_and_endpoint_from_a_prefect_secret_block(tmp_path, corpus, embed_spec, s3_server,
+                                                                monkeypatch):
+    import s3fs
+    from prefect.blocks.system import Secret
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server)
+    fs.mkdir("block-bucket")
+    fs.put(str(corpus) + "/", "block-bucket/docs/", recursive=True)
+    Secret(value={"key": "block-key", "secret": "block-secret-value", "endpoint_url": s3_server}).save(
+        "tokenmill-test-s3", overwrite=True)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)  # the block is the only source of credentials and endpoint
+    spec = embed_spec("s3://block-bucket/docs/", output="s3://block-bucket/embeddings",
+                      storage_block="tokenmill-test-s3", batching={"max_shard_rows": 20})
+    state = batch_flow(spec, return_state=True)
+    assert state.is_completed()
+    ids = pq.read_table("block-bucket/embeddings", filesystem=fs).column("id").to_pylist()
+    assert set(ids) == all_input_ids() - {"b1", "b2"}
+
+    # the secret and the endpoint appear nowhere that is kept: flow parameters, saved blocks, MLflow
+    record = state.result()
+    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
+    stored = asyncio.run(_stored_documents(state.state_details.flow_run_id))
+    params = mlflow.get_run(record["mlflow_run_id"]).data.params
+    for kept in (stored, json.dumps(params)):
+        assert "block-secret-value" not in kept and s3_server not in kept
+    assert "tokenmill-test-s3" in stored  # the state storage block names the secret, and only names it
+
+
+async def _stored_documents(flow_run_id) -> str:
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        run = await client.read_flow_run(flow_run_id)
+        blocks = await client.read_block_documents(include_secrets=False)
+        state_blocks = [b for b in blocks if b.block_type and b.block_type.slug == "tokenmill-state-storage"]
+    return json.dumps(run.parameters, default=str) + json.dumps([b.data for b in state_blocks], default=str)

@@ -63,6 +63,24 @@ def plan_batches(
     return batches
 
 
+def input_order_batches(lengths: Sequence[int], token_budget: int, max_batch_size: int) -> list[list[int]]:
+    """Batches in input order, each cut when the next row would break the token budget
+    (rows x longest row) or the row cap: what batching without length buckets gets."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for index, length in enumerate(lengths):
+        grown = max(longest, length)
+        if current and ((len(current) + 1) * grown > token_budget or len(current) == max_batch_size):
+            batches.append(current)
+            current, grown = [], length
+        current.append(index)
+        longest = grown
+    if current:
+        batches.append(current)
+    return batches
+
+
 def fixed_batches(count: int, batch_size: int) -> list[list[int]]:
     """The naive plan: fixed-size batches in input order."""
     return [list(range(start, min(start + batch_size, count))) for start in range(0, count, batch_size)]

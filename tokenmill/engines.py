@@ -116,8 +116,17 @@ def get_engine(model_path: str, spec: JobSpec) -> Engine:
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None:
-            engine = _engines[key] = VLLMEngine(model_path, spec)
+            engine = _engines[key] = start_engine(model_path, spec)
         return engine
+
+
+def start_engine(model_path: str, spec: JobSpec) -> Engine:
+    """A new engine of the kind the model spec names."""
+    if spec.model.engine == "transformers":
+        from tokenmill.hf_engine import TransformersEngine
+
+        return TransformersEngine(model_path, spec)
+    return VLLMEngine(model_path, spec)
 
 
 def discard_engine(model_path: str, spec: JobSpec) -> None:
@@ -141,8 +150,12 @@ def close_engines() -> None:
         _engines.clear()
 
 
-def describe_engine() -> tuple[str, str]:
+def describe_engine(spec: JobSpec | None = None) -> tuple[str, str]:
     """(engine, device) for the run record."""
+    if spec is not None and spec.model.engine == "transformers":
+        import torch
+
+        return "transformers", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     try:
         from vllm.platforms import current_platform
 

@@ -25,12 +25,16 @@ class _Spec(BaseModel):
 
 
 class ModelSpec(_Spec):
-    """Which model to run, and how vLLM should load it."""
+    """Which model to run, on which engine, and how to load it."""
 
     name: str = Field(
         "",
         description="A local path, a Hugging Face name, or a built-in alias "
         f"({DEFAULT_EMBED_MODEL}, {DEFAULT_GENERATE_MODEL}). Empty: the default for the mode.",
+    )
+    engine: Literal["vllm", "transformers"] = Field(
+        "vllm",
+        description="vllm: the fast path. transformers: plain PyTorch, for machines where vLLM cannot run.",
     )
     dtype: str = Field(
         "auto",
@@ -46,7 +50,8 @@ class ModelSpec(_Spec):
     )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Passed verbatim to vllm.LLM(...), e.g. {gpu_memory_utilization: 0.9}.",
+        description="Passed verbatim to vllm.LLM(...) (e.g. {gpu_memory_utilization: 0.9}), or to "
+        "from_pretrained(...) for the transformers engine.",
     )
 
 
@@ -116,6 +121,25 @@ class TrackingSpec(_Spec):
     run_name: str | None = None
 
 
+class GateSpec(_Spec):
+    """The eval gate: the candidate runs the corpus only if it matches the reference on a sample."""
+
+    reference: ModelSpec = Field(description="The model whose outputs count as right.")
+    candidate: ModelSpec | None = Field(
+        None, description="The cheaper model (quantized, other dtype, smaller, other engine). "
+        "Empty: the job's own model.")
+    sample_rows: int = Field(256, ge=2, description="Rows in the deterministic sample (chosen by a hash of the id).")
+    sample_seed: int = Field(0, description="Changes which rows the hash picks.")
+    eval_file: str | None = Field(None, description="Evaluate on this file's rows instead of a corpus sample.")
+    max_tokens: int = Field(32, ge=1, description="generate: greedy tokens per row in the gate.")
+    thresholds: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per-metric minimums over the defaults. embed: cosine_mean, cosine_p5, top10_overlap; "
+        "generate: exact_match, prefix_agreement, similarity_mean.")
+    on_fail: Literal["fail", "use_reference"] = Field(
+        "fail", description="fail: the flow ends Failed. use_reference: the corpus runs with the reference.")
+
+
 class JobSpec(_Spec):
     """One batch job: where the rows are, what to run on them, where the results go."""
 
@@ -138,9 +162,15 @@ class JobSpec(_Spec):
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="fsspec options for s3:// (endpoint_url, ...). Credentials belong in the "
-        "environment, not here.",
+        "environment or in storage_block, not here.",
+    )
+    storage_block: str | None = Field(
+        None,
+        description="Name of a Prefect Secret block whose value is a JSON object of fsspec options "
+        "(key, secret, token, endpoint_url, ...), merged in when storage is opened.",
     )
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    gate: GateSpec | None = Field(None, description="Run the eval gate first; see GateSpec.")
 
     @field_validator("input", "output")
     @classmethod

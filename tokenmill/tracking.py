@@ -115,7 +115,7 @@ def shard_rows(results: list[ShardResult]) -> list[dict[str, Any]]:
 
 
 def log_run(spec: JobSpec, params: dict[str, Any], metrics: dict[str, float], results: list[ShardResult],
-            manifest: dict[str, Any], tags: dict[str, str] | None = None) -> str:
+            manifest: dict[str, Any], tags: dict[str, str] | None = None, gate_report=None) -> str:
     """Write one MLflow run; returns its id."""
     import mlflow
 
@@ -126,6 +126,10 @@ def log_run(spec: JobSpec, params: dict[str, Any], metrics: dict[str, float], re
         mlflow.log_params(params)
         mlflow.log_metrics(metrics)
         mlflow.log_text(summary_markdown(spec, metrics, results), "summary.md")
+        if gate_report is not None:
+            mlflow.log_params(gate_params(gate_report))
+            mlflow.log_metrics(gate_report.mlflow_metrics())
+            mlflow.log_text(gate_report.message(), "gate.txt")
         mlflow.log_dict(manifest, "manifest.json")
         mlflow.log_table(data={k: [row[k] for row in shard_rows(results)] for k in shard_rows(results)[0]}
                          if results else {"shard": []}, artifact_file="shards.json")
@@ -157,3 +161,23 @@ def _length_plot(results: list[ShardResult], path: Path, metrics: dict[str, floa
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def log_gate_run(spec: JobSpec, report, extra_params: dict[str, Any] | None = None) -> str:
+    """An MLflow run holding only the gate's figures: a gate run alone, or a job the gate stopped."""
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
+    mlflow.set_experiment(spec.tracking.experiment)
+    with mlflow.start_run(run_name=spec.tracking.run_name or "gate", tags={"tokenmill.stage": "gate"}) as run:
+        mlflow.log_params({**gate_params(report), **(extra_params or {})})
+        mlflow.log_metrics(report.mlflow_metrics())
+        mlflow.log_text(report.message(), "gate.txt")
+        return run.info.run_id
+
+
+def gate_params(report) -> dict[str, Any]:
+    return {"gate_reference": report.reference.model, "gate_reference_engine": report.reference.engine,
+            "gate_candidate": report.candidate.model, "gate_candidate_engine": report.candidate.engine,
+            "gate_sample": report.sample_source, "gate_action": report.action}

@@ -1,0 +1,32 @@
+"""The eval gate as a flow: run alone (`tokenmill gate --config job.yaml`) or as the batch flow's first stage."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+
+from tasks.gate import gate_evaluate_task, gate_sample_task
+from tokenmill.errors import TokenmillError
+from tokenmill.gate import GateReport
+from tokenmill.spec import JobSpec
+from tokenmill.tracking import log_gate_run
+
+
+class GateFailed(TokenmillError):
+    """The candidate does not match the reference; the message gives each metric against its threshold."""
+
+
+@flow(name="tokenmill-gate")
+def gate_flow(spec: JobSpec, record: bool = True) -> GateReport:
+    """Candidate against reference on a deterministic sample. record=False leaves the MLflow
+    record to the caller (the batch flow puts the gate's figures on the job's run)."""
+    logger = get_run_logger()
+    texts, source = gate_sample_task(spec)
+    report = gate_evaluate_task(spec, texts, source)
+    create_table_artifact(report.table(), key="tokenmill-gate", description=report.message())
+    (logger.info if report.passed else logger.warning)("%s", report.message())
+    if record:
+        log_gate_run(spec, report)
+    if report.action == "fail" and record:
+        raise GateFailed(report.message())
+    return report

@@ -1,0 +1,73 @@
+"""The transformers engine on CPU: same interface as vLLM, padding as cut, vectors as sentence-transformers."""
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import TEXTS, write_parquet
+from tokenmill.engines import get_engine
+from tokenmill.hf_engine import read_pooling
+from tokenmill.models import resolve_model
+from tokenmill.runner import encode_rows, run_shard
+from tokenmill.shards import discover_shards
+from tokenmill.spec import JobSpec, ModelSpec
+
+LONG_TEXT = " ".join(f"Sentence number {i} talks about batching and padding." for i in range(80))
+
+
+@pytest.fixture(scope="module")
+def embed_spec_hf():
+    return JobSpec(mode="embed", model=ModelSpec(name="all-MiniLM-L6-v2", engine="transformers"))
+
+
+def test_pooling_is_read_from_the_sentence_transformers_config():
+    pooling = read_pooling(resolve_model("all-MiniLM-L6-v2"))
+    assert (pooling.mode, pooling.normalize) == ("mean", True)
+
+
+def test_embeddings_match_sentence_transformers_in_padded_batches(embed_spec_hf):
+    from sentence_transformers import SentenceTransformer
+
+    texts = TEXTS + [LONG_TEXT]
+    model_path = resolve_model("all-MiniLM-L6-v2")
+    encoded = encode_rows(texts, embed_spec_hf, model_path)
+    engine = get_engine(model_path, embed_spec_hf)
+    assert engine.name == "transformers"
+    # one padded batch of very different lengths, then one row at a time: padding must not leak in
+    together = np.stack(engine.embed(encoded.token_ids))
+    alone = np.stack([engine.embed([ids])[0] for ids in encoded.token_ids])
+    reference = SentenceTransformer(model_path, device="cpu").encode(texts, convert_to_numpy=True)
+    for ours in (together, alone):
+        cosine = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1))
+        assert cosine.min() >= 0.999, cosine
+    assert np.allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-5)
+
+
+def test_a_shard_runs_through_the_transformers_engine(tmp_path, embed_spec_hf):
+    ids = [f"row-{i}" for i in range(len(TEXTS))]
+    write_parquet(tmp_path / "in.parquet", ids, TEXTS)
+    job = embed_spec_hf.model_copy(update={"input": str(tmp_path), "output": str(tmp_path / "out")})
+    (shard,) = discover_shards(job.input)
+    result = run_shard(shard, job)
+    table = pq.read_table(tmp_path / "out")
+    assert table.column("id").to_pylist() == ids and result.rows_out == len(TEXTS)
+    assert len(table.column("embedding")[0]) == 384
+
+
+@pytest.mark.engine
+def test_generation_with_left_padding_is_greedy_and_deterministic():
+    spec = JobSpec(mode="generate", model=ModelSpec(name="SmolLM2-135M-Instruct", engine="transformers"),
+                   generation={"max_tokens": 12, "messages": [{"role": "user", "content": "{text}"}]})
+    model_path = resolve_model(spec.model_name)
+    texts = ["What is the capital of France? Answer in one word.",
+             "Write a long and detailed story about a dragon who learns to bake bread in a small village."]
+    encoded = encode_rows(texts, spec, model_path)
+    assert len(encoded.token_ids[0]) != len(encoded.token_ids[1])  # the batch really is padded
+    engine = get_engine(model_path, spec)
+    first = engine.generate(encoded.token_ids, spec.generation)
+    again = engine.generate(encoded.token_ids, spec.generation)
+    alone = engine.generate([encoded.token_ids[0]], spec.generation)
+    assert "paris" in first[0].text.lower()
+    assert [g.text for g in first] == [g.text for g in again]
+    assert first[0].text == alone[0].text  # left padding does not change the answer
+    assert first[1].output_tokens == 12 and first[1].finish_reason == "length"

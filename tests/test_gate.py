@@ -1,0 +1,228 @@
+"""The eval gate with real models on CPU: matching candidates pass, damaged ones fail, and
+use_reference runs the corpus with the reference. Embed (MiniLM) and generate (SmolLM2)."""
+
+import asyncio
+import shutil
+
+import mlflow
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from prefect.testing.utilities import prefect_test_harness
+
+from conftest import TEST_EMBED_MODEL, TEST_GENERATE_MODEL, write_parquet
+from tokenmill.engines import Generation
+from tokenmill.errors import ConfigError
+from tokenmill.gate import embedding_agreement, generation_agreement, neighbour_overlap, sample_texts, thresholds_for
+from tokenmill.models import resolve_model
+from tokenmill.spec import JobSpec, ModelSpec
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colours.", "What does a batch job do?",
+    "Why do spot GPUs cost less than on-demand ones?", "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?", "Write one sentence about the sea.", "What is Parquet used for?",
+]
+
+
+# --- metrics, without models --------------------------------------------------
+
+def test_identical_vectors_agree_fully_and_noise_lowers_every_metric():
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(64, 32))
+    same = embedding_agreement(vectors, vectors.copy())
+    assert same == pytest.approx({"cosine_mean": 1.0, "cosine_p5": 1.0, "top10_overlap": 1.0})
+    noisy = embedding_agreement(vectors, vectors + rng.normal(scale=1.0, size=vectors.shape))
+    assert noisy["cosine_mean"] < 0.9 and noisy["cosine_p5"] < noisy["cosine_mean"] and noisy["top10_overlap"] < 0.6
+    assert neighbour_overlap(vectors, rng.permutation(vectors)) < 0.4
+
+
+def test_generation_agreement_counts_exact_matches_and_the_agreeing_prefix():
+    tokenizer_path = resolve_model("all-MiniLM-L6-v2")  # any tokenizer will do for the arithmetic
+    reference = [Generation("the cat sat on the mat", 6, "stop"), Generation("paris", 1, "stop")]
+    candidate = [Generation("the cat sat on a hat", 6, "stop"), Generation("paris", 1, "stop")]
+    values = generation_agreement(reference, candidate, tokenizer_path)
+    assert values["exact_match"] == 0.5
+    assert values["prefix_agreement"] == pytest.approx((4 / 6 + 1) / 2)
+    assert 0.5 < values["similarity_mean"] < 1.0
+
+
+def test_the_sample_is_deterministic_whatever_the_sharding(tmp_path):
+    write_parquet(tmp_path / "a.parquet", [f"a{i}" for i in range(300)], [f"text {i}" for i in range(300)],
+                  row_group_size=50)
+    gate = {"reference": {"name": "all-MiniLM-L6-v2"}, "sample_rows": 20}
+    first, _ = sample_texts(JobSpec(input=str(tmp_path), gate=gate, batching={"max_shard_rows": 50}))
+    second, _ = sample_texts(JobSpec(input=str(tmp_path), gate=gate, batching={"max_shard_rows": 5000}))
+    assert len(first) == 20 and first == second
+    other, _ = sample_texts(JobSpec(input=str(tmp_path), gate={**gate, "sample_seed": 1}))
+    assert other != first
+
+
+def test_unknown_threshold_names_are_refused():
+    spec = JobSpec(gate={"reference": {}, "thresholds": {"cosine_mean": 0.9, "cosine_avg": 0.9}})
+    with pytest.raises(ConfigError, match=r"unknown metric\(s\) \['cosine_avg'\]"):
+        thresholds_for(spec)
+    assert thresholds_for(JobSpec(gate={"reference": {}, "thresholds": {"cosine_mean": 0.5}}))["cosine_mean"] == 0.5
+
+
+# --- real models ----------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_server():
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def damaged_copy(model_name: str, target, scale: float):
+    """The model with gaussian noise on every weight matrix: what a broken quantization does."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    source = resolve_model(model_name)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "onnx", "openvino"))
+    loader = AutoModel if model_name == "all-MiniLM-L6-v2" else AutoModelForCausalLM
+    model = loader.from_pretrained(source, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * parameter.std() * scale)
+    model.save_pretrained(target)
+    return str(target)
+
+
+@pytest.fixture(scope="module")
+def damaged_minilm(tmp_path_factory):
+    return damaged_copy("all-MiniLM-L6-v2", tmp_path_factory.mktemp("damaged") / "minilm", scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def damaged_smollm2(tmp_path_factory):
+    return damaged_copy("SmolLM2-135M-Instruct", tmp_path_factory.mktemp("damaged") / "smollm2", scale=0.5)
+
+
+@pytest.fixture
+def embed_corpus(tmp_path):
+    from tokenmill.sample_corpus import write_sample_corpus
+
+    write_sample_corpus(tmp_path / "corpus", documents=120, files=1, row_group_size=60)
+    return tmp_path / "corpus"
+
+
+REFERENCE_EMBED = {"name": "all-MiniLM-L6-v2", "engine": "transformers"}
+
+
+@pytest.mark.engine
+def test_embed_gate_passes_a_matching_candidate_and_the_corpus_runs_with_it(tmp_path, embed_corpus, embed_spec):
+    from flows.batch import batch_flow
+
+    spec = embed_spec(embed_corpus, model=TEST_EMBED_MODEL,  # candidate: the same MiniLM on vLLM
+                      gate={"reference": REFERENCE_EMBED, "sample_rows": 64})
+    record = batch_flow(spec)
+    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
+    run = mlflow.get_run(record["mlflow_run_id"])
+    assert run.data.params["gate_action"] == "candidate" and run.data.params["engine"] == "vllm"
+    metrics = run.data.metrics
+    assert metrics["gate_passed"] == 1.0 and metrics["gate_cosine_mean"] >= 0.999
+    assert metrics["gate_top10_overlap"] >= 0.9
+    for role in ("reference", "candidate"):
+        assert metrics[f"gate_{role}_tokens_per_s"] > 0 and metrics[f"gate_{role}_usd_per_1m_tokens"] > 0
+    assert pq.read_table(tmp_path / "out").num_rows == 120
+    assert "tokenmill-gate" in asyncio.run(_artifact_keys())
+
+
+@pytest.mark.engine
+def test_embed_gate_fails_a_damaged_candidate_with_each_metric_against_its_threshold(
+        tmp_path, embed_corpus, embed_spec, damaged_minilm):
+    from flows.batch import batch_flow
+    from flows.gate import GateFailed
+
+    spec = embed_spec(embed_corpus, model={"name": damaged_minilm, "engine": "transformers"},
+                      gate={"reference": REFERENCE_EMBED, "sample_rows": 64})
+    with pytest.raises(GateFailed) as failure:
+        batch_flow(spec)
+    message = str(failure.value)
+    assert "eval gate FAILED on 64 rows" in message
+    for name in ("cosine_mean", "cosine_p5", "top10_overlap"):
+        assert f"  {name} = " in message
+    assert "< 0.9900 FAIL" in message  # cosine_mean against its default
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.parquet"))  # no corpus run
+    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
+    runs = mlflow.search_runs(experiment_names=["tests"], filter_string="tags.`tokenmill.stage` = 'gate'")
+    assert len(runs) >= 1 and runs.iloc[0]["metrics.gate_passed"] == 0.0
+
+
+@pytest.mark.engine
+def test_embed_gate_use_reference_runs_the_corpus_with_the_reference(tmp_path, embed_corpus, embed_spec,
+                                                                     damaged_minilm):
+    from flows.batch import batch_flow
+
+    spec = embed_spec(embed_corpus, model={"name": damaged_minilm, "engine": "transformers"},
+                      gate={"reference": REFERENCE_EMBED, "sample_rows": 64, "on_fail": "use_reference"})
+    record = batch_flow(spec)
+    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
+    run = mlflow.get_run(record["mlflow_run_id"])
+    assert run.data.params["gate_action"] == "reference"
+    assert run.data.params["model"] == "all-MiniLM-L6-v2" and run.data.metrics["gate_passed"] == 0.0
+    # the corpus really ran on the reference: its vectors match the reference model's
+    from sentence_transformers import SentenceTransformer
+
+    table = pq.read_table(tmp_path / "out")
+    texts = {i: t for i, t in zip(*pq.read_table(embed_corpus, columns=["id", "text"]).to_pydict().values())}
+    first_ids = table.column("id").to_pylist()[:5]
+    expected = SentenceTransformer(resolve_model("all-MiniLM-L6-v2"), device="cpu").encode(
+        [texts[i] for i in first_ids])
+    ours = np.array(table.column("embedding").to_pylist()[:5])
+    assert (ours * expected).sum(1).min() > 0.999
+
+
+@pytest.fixture
+def questions(tmp_path):
+    write_parquet(tmp_path / "q.parquet", [f"q{i}" for i in range(len(QUESTIONS))], QUESTIONS)
+    return tmp_path / "q.parquet"
+
+
+def generate_spec(tmp_path, questions, model, **gate):
+    return JobSpec.model_validate(dict(
+        input=str(questions), output=str(tmp_path / "out"), mode="generate", model=model,
+        generation={"max_tokens": 16}, batching={"max_shard_rows": 100},
+        tracking={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "tests"},
+        gate={"reference": {"name": "SmolLM2-135M-Instruct", "engine": "transformers"},
+              "sample_rows": len(QUESTIONS), "max_tokens": 16, **gate}))
+
+
+@pytest.mark.engine
+def test_generate_gate_passes_the_same_model_on_vllm(tmp_path, questions):
+    from flows.gate import gate_flow
+
+    report = gate_flow(generate_spec(tmp_path, questions, TEST_GENERATE_MODEL))
+    assert report.passed, report.message()
+    values = {m.name: m.value for m in report.metrics}
+    assert values["exact_match"] >= 0.75 and values["similarity_mean"] >= 0.95
+    assert report.candidate.engine == "vllm" and report.reference.engine == "transformers"
+
+
+@pytest.mark.engine
+def test_generate_gate_fails_a_damaged_model_and_use_reference_runs_the_reference(tmp_path, questions,
+                                                                                   damaged_smollm2):
+    from flows.batch import batch_flow
+    from flows.gate import GateFailed, gate_flow
+
+    damaged = {"name": damaged_smollm2, "engine": "transformers"}
+    with pytest.raises(GateFailed, match=r"exact_match = 0\.\d+ < 0\.6000 FAIL"):
+        gate_flow(generate_spec(tmp_path, questions, damaged))
+
+    spec = generate_spec(tmp_path, questions, damaged, on_fail="use_reference")
+    record = batch_flow(spec)
+    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
+    run = mlflow.get_run(record["mlflow_run_id"])
+    assert run.data.params["gate_action"] == "reference" and run.data.params["engine"] == "transformers"
+    answers = pq.read_table(tmp_path / "out").to_pydict()
+    assert "paris" in answers["output_text"][0].lower()  # the reference answers; the damaged one would not
+
+
+async def _artifact_keys():
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        return {a.key for a in await client.read_artifacts()}
+

@@ -1,0 +1,170 @@
+"""The transformers engine: the model run with plain PyTorch, batches padded as we cut them.
+
+It is the engine for machines where vLLM cannot run, and the honest baseline for the
+benchmarks: each batch is padded to its longest row, so the padding our length buckets
+avoid is padding this engine really computes.
+
+- embed: AutoModel, then the model's own pooling and normalisation, read from its
+  sentence-transformers config (modules.json, 1_Pooling/config.json), so vectors match
+  sentence-transformers;
+- generate: AutoModelForCausalLM.generate with left padding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from tokenmill.spec import GenerationParams, JobSpec
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Pooling:
+    mode: str  # mean | cls | max | lasttoken
+    normalize: bool
+
+
+def read_pooling(model_path: str) -> Pooling:
+    """The pooling and normalisation sentence-transformers would apply to this model."""
+    root = Path(model_path)
+    modules_file = root / "modules.json"
+    if not modules_file.exists():
+        return Pooling("mean", True)  # no sentence-transformers config: mean pooling, unit vectors
+    modules = json.loads(modules_file.read_text())
+    mode, normalize = "mean", False
+    for module in modules:
+        kind = module.get("type", "")
+        if kind.endswith("Pooling"):
+            config = json.loads((root / module.get("path", "") / "config.json").read_text())
+            for key, name in (("pooling_mode_cls_token", "cls"), ("pooling_mode_max_tokens", "max"),
+                              ("pooling_mode_lasttoken", "lasttoken"), ("pooling_mode_mean_tokens", "mean")):
+                if config.get(key):
+                    mode = name
+                    break
+        elif kind.endswith("Normalize"):
+            normalize = True
+    return Pooling(mode, normalize)
+
+
+class TransformersEngine:
+    name = "transformers"
+
+    def __init__(self, model_path: str, spec: JobSpec):
+        import torch
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        from tokenmill.models import load_tokenizer
+
+        self.torch = torch
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = _torch_dtype(torch, spec.model.dtype, self.device)
+        self.mode = spec.mode
+        tokenizer = load_tokenizer(model_path)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_ids = _eos_ids(tokenizer, model_path)
+        self.tokenizer = tokenizer
+        loader = AutoModel if spec.mode == "embed" else AutoModelForCausalLM
+        log.info("Starting transformers %s on %s in %s", model_path, self.device, self.dtype)
+        self.model = loader.from_pretrained(model_path, dtype=self.dtype, **spec.model.engine_kwargs)
+        self.model.to(self.device).eval()
+        self.pooling = read_pooling(model_path) if spec.mode == "embed" else None
+
+    def _padded(self, batch: Sequence[Sequence[int]], side: str):
+        torch = self.torch
+        longest = max(len(ids) for ids in batch)
+        input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, ids in enumerate(batch):
+            if side == "right":
+                input_ids[row, : len(ids)] = torch.as_tensor(ids)
+                mask[row, : len(ids)] = 1
+            else:
+                input_ids[row, longest - len(ids):] = torch.as_tensor(ids)
+                mask[row, longest - len(ids):] = 1
+        return input_ids.to(self.device), mask.to(self.device)
+
+    def embed(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        torch = self.torch
+        input_ids, mask = self._padded(batch, "right")
+        with torch.inference_mode():
+            hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+            weights = mask.unsqueeze(-1).to(hidden.dtype)
+            if self.pooling.mode == "cls":
+                pooled = hidden[:, 0]
+            elif self.pooling.mode == "max":
+                pooled = hidden.masked_fill(weights == 0, torch.finfo(hidden.dtype).min).max(dim=1).values
+            elif self.pooling.mode == "lasttoken":
+                pooled = hidden[torch.arange(hidden.shape[0]), mask.sum(1) - 1]
+            else:
+                pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+            pooled = pooled.float()
+            if self.pooling.normalize:
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return list(pooled.cpu().numpy())
+
+    def generate(self, batch: Sequence[Sequence[int]], params: GenerationParams):
+        from tokenmill.engines import Generation
+
+        torch = self.torch
+        input_ids, mask = self._padded(batch, "left")
+        sampling = params.temperature > 0
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=params.max_tokens,
+                do_sample=sampling,
+                temperature=params.temperature if sampling else None,
+                top_p=params.top_p if sampling else None,
+                top_k=None,
+                pad_token_id=self.pad_id,
+                eos_token_id=sorted(self.eos_ids) or None,
+            )
+        results = []
+        for row in out[:, input_ids.shape[1]:].tolist():
+            tokens = []
+            finish = "length"
+            for token in row:
+                if token in self.eos_ids:
+                    finish = "stop"
+                    break
+                tokens.append(token)
+            results.append(Generation(self.tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), finish))
+        return results
+
+    def close(self) -> None:
+        self.model = None
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
+
+
+def _torch_dtype(torch, dtype: str, device) -> "torch.dtype":
+    if dtype == "auto":
+        # fp32 on CPU (bf16 is several times slower there); bf16 on GPU, where tensor cores want it
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one the transformers engine knows ({', '.join(sorted(DTYPES))})")
+    return getattr(torch, DTYPES[dtype])
+
+
+def _eos_ids(tokenizer, model_path: str) -> set[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_config = Path(model_path) / "generation_config.json"
+    if generation_config.exists():
+        value = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids.update([value] if isinstance(value, int) else (value or []))
+    return ids
