@@ -36,7 +36,6 @@ import pyarrow.parquet as pq  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"
-FINDINGS = ROOT / "bench" / "FINDINGS.md"
 
 
 @dataclass
@@ -374,10 +373,9 @@ def write_results(args, command, started_at, docs, tokens, embed, gen_v, gen_h, 
                       f"{v.tokens_per_s:,.0f} | {v.items_per_s:,.1f} | {padding} |")
         figures[f"tokens_per_s.{_slug(v.name)}"] = v.tokens_per_s
 
-    findings = FINDINGS.read_text() if FINDINGS.exists() else ""
     text = f"""# tokenmill benchmarks
 
-Written by `make bench` ({command}); do not edit by hand (edit bench/FINDINGS.md instead).
+Written by `make bench` (`{command.strip()}`); do not edit by hand (notes go in bench/FINDINGS.md).
 
 - **Date:** {started_at:%Y-%m-%d %H:%M} UTC
 - **Machine:** {machine()}
@@ -398,7 +396,8 @@ Written by `make bench` ({command}); do not edit by hand (edit bench/FINDINGS.md
 
 {chr(10).join(detail)}
 
-{findings}
+What the profiler found, what was fixed, and what limits each figure that misses its
+target: [FINDINGS.md](FINDINGS.md). GPU figures: see the GPU section there.
 
 ## Profile of one tokenmill pass (pyinstrument, this process; the vLLM engine core runs in its own)
 

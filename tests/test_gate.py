@@ -17,6 +17,7 @@ from tokenmill.gate import embedding_agreement, generation_agreement, neighbour_
 from tokenmill.models import resolve_model
 from tokenmill.spec import JobSpec, ModelSpec
 
+REFERENCE_EMBED = {"name": "all-MiniLM-L6-v2", "engine": "transformers"}
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colours.", "What does a batch job do?",
     "Why do spot GPUs cost less than on-demand ones?", "Translate 'good morning' into Spanish.",
@@ -90,6 +91,42 @@ def damaged_copy(model_name: str, target, scale: float):
     return str(target)
 
 
+def quantized_copy(model_name: str, target, bits: int):
+    """The model with its weight matrices rounded to `bits`-bit integers per output channel
+    (absmax scaling), stored back in fp32: what a weight-only quantization does to the values."""
+    import torch
+    from transformers import AutoModel
+
+    source = resolve_model(model_name)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "onnx", "openvino"))
+    model = AutoModel.from_pretrained(source, dtype=torch.float32)
+    levels = 2 ** (bits - 1) - 1
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                scale = parameter.abs().amax(dim=1, keepdim=True) / levels
+                parameter.copy_(torch.round(parameter / scale).clamp(-levels, levels) * scale)
+    model.save_pretrained(target)
+    return str(target)
+
+
+def test_embed_gate_passes_int8_weights_and_fails_naive_int4_weights(tmp_path):
+    """The default thresholds against real quantizations of MiniLM (transformers engine, CPU)."""
+    from tokenmill.gate import evaluate
+
+    texts = list(QUESTIONS) + [f"{q} Explain briefly." for q in QUESTIONS] + \
+        [f"A note on topic {i}: batching makes offline inference cheap." for i in range(48)]
+    reports = {}
+    for bits in (8, 4):
+        spec = JobSpec(mode="embed", model={"name": quantized_copy("all-MiniLM-L6-v2", tmp_path / f"w{bits}", bits),
+                                            "engine": "transformers"},
+                       gate={"reference": REFERENCE_EMBED, "sample_rows": len(texts)})
+        reports[bits] = evaluate(spec, texts, "test texts")
+    assert reports[8].passed, reports[8].message()
+    assert not reports[4].passed
+    assert "cosine_mean = 0." in reports[4].message() and "< 0.9900 FAIL" in reports[4].message()
+
+
 @pytest.fixture(scope="module")
 def damaged_minilm(tmp_path_factory):
     return damaged_copy("all-MiniLM-L6-v2", tmp_path_factory.mktemp("damaged") / "minilm", scale=0.5)
@@ -106,9 +143,6 @@ def embed_corpus(tmp_path):
 
     write_sample_corpus(tmp_path / "corpus", documents=120, files=1, row_group_size=60)
     return tmp_path / "corpus"
-
-
-REFERENCE_EMBED = {"name": "all-MiniLM-L6-v2", "engine": "transformers"}
 
 
 @pytest.mark.engine

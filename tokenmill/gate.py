@@ -28,7 +28,10 @@ from tokenmill.shards import discover_shards, read_shard
 from tokenmill.spec import GateSpec, JobSpec, ModelSpec
 
 # What a sound quantization (or the same model on another engine or dtype) passes and a
-# damaged model fails. Measured in tests/test_gate.py on MiniLM and SmolLM2.
+# damaged model fails. On 128 rows of the sample corpus, MiniLM with int8 per-channel weights
+# scored cosine_mean 0.9993, cosine_p5 0.9989, top10_overlap 0.981; bf16 1.0000/0.9999/0.997;
+# naive int4 weights 0.854/0.771/0.693; weights with 5% gaussian noise 0.986/0.981/0.917
+# (tests/test_gate.py checks the int8/int4 pair, the vLLM/transformers pair and SmolLM2).
 DEFAULT_THRESHOLDS = {
     "embed": {"cosine_mean": 0.99, "cosine_p5": 0.97, "top10_overlap": 0.80},
     "generate": {"exact_match": 0.60, "prefix_agreement": 0.70, "similarity_mean": 0.90},
@@ -71,9 +74,10 @@ class GateReport(BaseModel):
                          f"{'pass' if m.passed else 'FAIL'}")
         saving = 1 - self.candidate.usd_per_1m_tokens / self.reference.usd_per_1m_tokens \
             if self.reference.usd_per_1m_tokens else 0.0
+        verdict = f"the candidate saves {saving:.0%}" if saving >= 0 else f"the candidate costs {-saving:.0%} more"
         lines.append(f"  throughput: candidate {self.candidate.tokens_per_s:,.0f} tokens/s "
                      f"(${self.candidate.usd_per_1m_tokens:.4f}/1M), reference {self.reference.tokens_per_s:,.0f} "
-                     f"tokens/s (${self.reference.usd_per_1m_tokens:.4f}/1M): the candidate saves {saving:.0%}")
+                     f"tokens/s (${self.reference.usd_per_1m_tokens:.4f}/1M): {verdict}")
         return "\n".join(lines)
 
     def mlflow_metrics(self) -> dict[str, float]:
