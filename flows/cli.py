@@ -54,6 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
     gate = commands.add_parser("gate", help="run the job's eval gate alone: candidate against reference")
     _add_job_arguments(gate)
 
+    calibrate = commands.add_parser("calibrate", help="sweep batch sizes on a sample; recommend batch settings")
+    _add_job_arguments(calibrate)
+    calibrate.add_argument("--sizes", default="1,2,4,8,16,32,64,128,256", help="batch sizes, comma-separated")
+    calibrate.add_argument("--sample-rows", type=int, default=512)
+    calibrate.add_argument("--out", default="calibration", help="where the plot, snippet and JSON go")
+
+    plan = commands.add_parser("plan", help="GPUs, finish time and dollars for the corpus inside a window")
+    _add_job_arguments(plan)
+    plan.add_argument("--window", required=True, help="e.g. 12h, 90m, 2d")
+    plan.add_argument("--calibration", help="calibration.json from tokenmill calibrate")
+    plan.add_argument("--tokens-per-s", type=float, help="tokens/s per GPU, instead of a calibration")
+    plan.add_argument("--margin", type=float, default=0.1, help="straggler margin (share of the window)")
+    plan.add_argument("--preemptions-per-gpu-hour", type=float, default=0.05)
+    plan.add_argument("--engine-start-s", type=float, default=60.0)
+    plan.add_argument("--sample-rows", type=int, default=512)
+
     sample = commands.add_parser("sample-corpus", help="write the realistic sample corpus")
     sample.add_argument("directory", type=Path)
     sample.add_argument("--documents", type=int, default=20_000)
@@ -141,6 +157,41 @@ def cmd_gate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from flows.calibrate import calibrate_flow
+
+    sizes = [int(size) for size in args.sizes.split(",") if size.strip()]
+    result = calibrate_flow(spec_from_args(args), sizes, args.sample_rows, args.out)
+    print(result["calibration"].summary())
+    print(f"\nPlot: {result['plot']}\nRecommended batch settings ({args.out}/batching.yaml):\n")
+    print(result["snippet"], end="")
+    return 0
+
+
+def parse_window(text: str) -> float:
+    """Hours in '12h', '90m', '2d' or a bare number of hours."""
+    units = {"h": 1.0, "m": 1 / 60, "d": 24.0}
+    text = text.strip().lower()
+    try:
+        if text[-1:] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise SystemExit(f"tokenmill: --window takes a duration like 12h, 90m or 2d, got {text!r}") from None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from flows.calibrate import plan_flow
+
+    if args.tokens_per_s is None and not args.calibration:
+        print("tokenmill: error: give --calibration (from tokenmill calibrate) or --tokens-per-s", file=sys.stderr)
+        return 2
+    result = plan_flow(spec_from_args(args), parse_window(args.window), args.tokens_per_s, args.calibration,
+                       args.margin, args.preemptions_per_gpu_hour, args.engine_start_s, args.sample_rows)
+    print(result["plan"])
+    return 0
+
+
 class _progress_bar:
     """A rich progress bar fed by tokenmill.progress events."""
 
@@ -200,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "gate": cmd_gate, "sample-corpus": cmd_sample_corpus}[args.command](args)
+        return {"run": cmd_run, "gate": cmd_gate, "calibrate": cmd_calibrate, "plan": cmd_plan,
+                "sample-corpus": cmd_sample_corpus}[args.command](args)
     except (TokenmillError, ValidationError) as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2

@@ -16,8 +16,8 @@ from tokenmill.spec import JobSpec
 
 
 def spec_for(tmp_path, input_path, **overrides) -> JobSpec:
-    return JobSpec.model_validate(dict(input=str(input_path), output=str(tmp_path / "out"), mode="embed",
-                                       model=TEST_EMBED_MODEL, **overrides))
+    fields = dict(input=str(input_path), output=str(tmp_path / "out"), mode="embed", model=TEST_EMBED_MODEL)
+    return JobSpec.model_validate({**fields, **overrides})
 
 
 def test_a_corrupt_parquet_file_is_an_error_naming_it(tmp_path):

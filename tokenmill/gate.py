@@ -9,7 +9,6 @@ each, the value against its threshold.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,11 +19,10 @@ from pydantic import BaseModel
 from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.economics import RunCost
 from tokenmill.engines import Engine, get_engine
-from tokenmill.errors import ConfigError, InputError
+from tokenmill.errors import ConfigError
 from tokenmill.models import resolve_model
 from tokenmill.runner import encode_rows, run_batches
-from tokenmill.schema import validate_rows
-from tokenmill.shards import discover_shards, read_shard
+from tokenmill.sampling import corpus_sample
 from tokenmill.spec import GateSpec, JobSpec, ModelSpec
 
 # What a sound quantization (or the same model on another engine or dtype) passes and a
@@ -116,34 +114,9 @@ def candidate_model(spec: JobSpec) -> ModelSpec:
 
 
 def sample_texts(spec: JobSpec) -> tuple[list[str], str]:
-    """The gate's rows: the eval file's, or N of the corpus's first 4N valid rows, chosen by
-    a hash of their id (deterministic: the same corpus gives the same sample, however it is
-    sharded, without reading the whole corpus)."""
+    """The gate's rows: its eval file's, or a deterministic corpus sample (see tokenmill.sampling)."""
     gate = _gate(spec)
-    source = gate.eval_file or spec.input
-    shards = discover_shards(source, fmt=spec.format, max_shard_rows=spec.batching.max_shard_rows,
-                             max_shard_bytes=spec.batching.max_shard_bytes, storage_options=spec.storage_options)
-    pool: list[tuple[str, str]] = []
-    wanted = gate.sample_rows
-    for shard in shards:  # read shards until the pool holds 4x the sample, so the choice is spread
-        table, _ = read_shard(shard, [spec.id_column, spec.text_column], spec.storage_options)
-        valid = validate_rows(table, shard.uri, spec.id_column, spec.text_column).valid
-        ids = valid.column(spec.id_column).to_pylist()
-        texts = valid.column(spec.text_column).to_pylist()
-        pool += [(str(i), t) for i, t in zip(ids, texts)]
-        if gate.eval_file is None and len(pool) >= 4 * wanted:
-            break
-    if not pool:
-        raise InputError(source, "the gate found no valid rows to evaluate on")
-
-    def rank(item: tuple[str, str]) -> str:
-        return hashlib.sha256(f"{gate.sample_seed}:{item[0]}".encode()).hexdigest()
-
-    if gate.eval_file is None:
-        pool = pool[: 4 * wanted]  # the corpus's first 4N valid rows, in file order: the same for any sharding
-    chosen = sorted(pool, key=rank)[:wanted]
-    label = f"eval file {gate.eval_file}" if gate.eval_file else f"{len(chosen)} corpus rows by id hash"
-    return [text for _, text in chosen], label
+    return corpus_sample(spec, gate.sample_rows, gate.sample_seed, gate.eval_file)
 
 
 @dataclass

@@ -171,6 +171,9 @@ class JobSpec(_Spec):
     )
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     gate: GateSpec | None = Field(None, description="Run the eval gate first; see GateSpec.")
+    calibration: str | None = Field(
+        None, description="calibration.json from `tokenmill calibrate`: the run then records predicted "
+        "against measured tokens/s and $.")
 
     @field_validator("input", "output")
     @classmethod

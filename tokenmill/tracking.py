@@ -61,6 +61,8 @@ def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSp
     padded = sum(r.padded_slots for r in results)
     baseline = sum(r.baseline_padded_slots for r in results)
     metrics = cost.metrics()
+    metrics.update(padding_waste_avoided(fresh, cost))
+    metrics.update(predicted_against_measured(spec, cost))
     metrics.update(
         rows_in=sum(r.rows_in for r in results),
         rows_out=sum(r.rows_out for r in results),
@@ -75,6 +77,39 @@ def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSp
         baseline_padded_slots=baseline,
     )
     return {k: float(v) for k, v in metrics.items()}
+
+
+def padding_waste_avoided(fresh: list[ShardResult], cost: RunCost) -> dict[str, float]:
+    """Padded token slots that input-order batches would have paid for this run's shards,
+    against those our length buckets paid, in slots and in $ (at this run's $ per slot)."""
+    ours = sum(r.padded_slots for r in fresh)
+    naive = sum(r.baseline_padded_slots for r in fresh)
+    usd_per_slot = cost.usd_spot / ours if ours else 0.0
+    return {
+        "padding_slots_paid": float(ours - sum(r.real_tokens for r in fresh)),
+        "padding_slots_naive": float(naive - sum(r.real_tokens for r in fresh)),
+        "padding_slots_avoided": float(naive - ours),
+        "usd_padding_avoided": (naive - ours) * usd_per_slot,
+    }
+
+
+def predicted_against_measured(spec: JobSpec, cost: RunCost) -> dict[str, float]:
+    """With a calibration: the tokens/s it predicts at the job's batch size, and the $ that
+    implies for the tokens this run processed, beside what was measured."""
+    if not spec.calibration:
+        return {}
+    calibration = json.loads(Path(spec.calibration).read_text())
+    points = [p for p in calibration["points"] if not p.get("error")]
+    at_or_below = [p for p in points if p["batch_size"] <= spec.batching.max_batch_size] or points[:1]
+    predicted = max(at_or_below, key=lambda p: p["batch_size"])["tokens_per_s"]
+    predicted_hours = cost.total_tokens / predicted / 3600 * cost.gpu_count if predicted else 0.0
+    return {
+        "predicted_tokens_per_s": predicted,
+        "measured_tokens_per_s": cost.tokens_per_s,
+        "measured_vs_predicted_tokens_per_s": cost.tokens_per_s / predicted if predicted else 0.0,
+        "predicted_usd_spot": predicted_hours * cost.usd_per_gpu_hour_spot,
+        "measured_usd_spot": cost.usd_spot,
+    }
 
 
 def summary_markdown(spec: JobSpec, metrics: dict[str, float], results: list[ShardResult]) -> str:
@@ -92,8 +127,14 @@ def summary_markdown(spec: JobSpec, metrics: dict[str, float], results: list[Sha
         f"**${m['usd_per_1m_tokens']:.4f} per 1M tokens** (spot)",
         f"- padding: {m['padding_fraction']:.1%} with length buckets vs {m['baseline_padding_fraction']:.1%} for "
         f"input-order batches of {spec.batching.baseline_batch_size}",
+        f"- padding avoided: {m['padding_slots_avoided']:.0f} token slots against input-order batches, "
+        f"${m['usd_padding_avoided']:.4f} at this run's price per slot",
         f"- shards: {m['shards']:.0f} ({m['shards_cached']:.0f} from cache), {m['batches']:.0f} batches",
     ]
+    if "predicted_tokens_per_s" in m:
+        lines.append(f"- predicted by calibration: {m['predicted_tokens_per_s']:.0f} tokens/s, "
+                     f"${m['predicted_usd_spot']:.4f}; measured: {m['measured_tokens_per_s']:.0f} tokens/s "
+                     f"({m['measured_vs_predicted_tokens_per_s']:.2f}x), ${m['measured_usd_spot']:.4f}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,107 @@
+"""Know the cost before and after: `tokenmill calibrate` and `tokenmill plan` as Prefect flows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NONE
+
+from tasks.logs import with_core_logs
+from tasks.storage import with_storage_secrets
+from tokenmill.calibrate import DEFAULT_BATCH_SIZES, Calibration, calibrate, plot_calibration
+from tokenmill.planning import CorpusEstimate, estimate_corpus, make_plan, plan_markdown, plan_metrics
+from tokenmill.spec import JobSpec
+
+
+@task(name="calibrate", cache_policy=NONE)
+@with_core_logs
+def calibrate_task(spec: JobSpec, batch_sizes: list[int], sample_rows: int) -> Calibration:
+    return calibrate(with_storage_secrets(spec), tuple(batch_sizes), sample_rows)
+
+
+@task(name="estimate-corpus", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
+@with_core_logs
+def estimate_corpus_task(spec: JobSpec, sample_rows: int) -> CorpusEstimate:
+    return estimate_corpus(with_storage_secrets(spec), sample_rows)
+
+
+@flow(name="tokenmill-calibrate")
+def calibrate_flow(spec: JobSpec, batch_sizes: list[int] = list(DEFAULT_BATCH_SIZES), sample_rows: int = 512,
+                   out_dir: str = "calibration") -> dict[str, Any]:
+    """Sweep batch sizes on a sample; write calibration.json, calibration.png and batching.yaml to out_dir."""
+    logger = get_run_logger()
+    result = calibrate_task(spec, batch_sizes, sample_rows)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calibration.json").write_text(result.model_dump_json(indent=2))
+    (out / "batching.yaml").write_text(result.snippet())
+    plot = plot_calibration(result, out / "calibration.png")
+    logger.info("%s\nRecommended (paste into the job file):\n%s", result.summary(), result.snippet())
+    create_markdown_artifact(f"```\n{result.summary()}\n```\n\nRecommended:\n\n```yaml\n{result.snippet()}```\n",
+                             key="tokenmill-calibration", description="batch-size calibration")
+    run_id = _log_mlflow(spec, "calibrate", {f"calibrate_{k}": v for k, v in {
+        "overhead_s": result.overhead_s, "per_item_s": result.per_item_s, "fit_r2": result.fit_r2,
+        "plateau_batch_size": result.plateau_batch_size, "plateau_tokens_per_s": result.plateau_tokens_per_s,
+    }.items()}, {"model": result.model, "engine": result.engine, "mode": result.mode,
+                 "cliff": f"{result.cliff_batch_size} ({result.cliff_reason})" if result.cliff_batch_size else "none"},
+        [out / "calibration.json", out / "batching.yaml", plot],
+        steps=[(p.batch_size, {"tokens_per_s": p.tokens_per_s, "usd_per_1m_tokens": p.usd_per_1m_tokens,
+                               "seconds_per_call": p.seconds_per_call, "peak_memory_gib": p.peak_memory_gib})
+               for p in result.points if p.error is None])
+    return {"calibration": result, "plot": str(plot), "snippet": result.snippet(), "mlflow_run_id": run_id}
+
+
+@flow(name="tokenmill-plan")
+def plan_flow(spec: JobSpec, window_hours: float, tokens_per_s_per_gpu: float | None = None,
+              calibration_file: str | None = None, straggler_margin: float = 0.1,
+              preemptions_per_gpu_hour: float = 0.05, engine_start_seconds: float = 60.0,
+              sample_rows: int = 512) -> dict[str, Any]:
+    """GPUs, finish time and dollars for the corpus inside a window; a markdown artifact and an MLflow run."""
+    if tokens_per_s_per_gpu is None:
+        if not calibration_file:
+            raise ValueError("give tokens_per_s_per_gpu, or calibration_file from tokenmill calibrate")
+        calibration = Calibration.model_validate(json.loads(Path(calibration_file).read_text()))
+        tokens_per_s_per_gpu = calibration.plateau_tokens_per_s
+        source = f"calibrated at batch size {calibration.plateau_batch_size}, {calibration_file}"
+    else:
+        source = "given"
+    estimate = estimate_corpus_task(spec, sample_rows)
+    plan = make_plan(spec, estimate, tokens_per_s_per_gpu, window_hours, straggler_margin,
+                     preemptions_per_gpu_hour, engine_start_seconds)
+    text = plan_markdown(plan, estimate, source)
+    get_run_logger().info("\n%s", text)
+    create_markdown_artifact(text, key="tokenmill-plan", description="fleet plan")
+    metrics = plan_metrics(plan, estimate)
+    run_id = _log_mlflow(spec, "plan", metrics, {"window_hours": window_hours, "rate_source": source,
+                                                 "straggler_margin": straggler_margin,
+                                                 "preemptions_per_gpu_hour": preemptions_per_gpu_hour},
+                         text_artifacts={"plan.md": text})
+    return {"plan": text, "metrics": metrics, "mlflow_run_id": run_id}
+
+
+def _log_mlflow(spec: JobSpec, run_name: str, metrics: dict[str, float], params: dict[str, Any],
+                files: list[Path] = (), text_artifacts: dict[str, str] | None = None,
+                steps: list[tuple[int, dict[str, float]]] = ()) -> str:
+    import os
+
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
+    mlflow.set_experiment(spec.tracking.experiment)
+    with mlflow.start_run(run_name=run_name, tags={"tokenmill.stage": run_name}) as run:
+        mlflow.log_params(params)
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+        for step, values in steps:
+            mlflow.log_metrics(values, step=step)
+        for path in files:
+            mlflow.log_artifact(str(path))
+        for name, text in (text_artifacts or {}).items():
+            mlflow.log_text(text, name)
+        return run.info.run_id
+
+

@@ -1,0 +1,126 @@
+"""Before renting the fleet: how many tokens the corpus holds, and what a window costs."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from pydantic import BaseModel
+
+from tokenmill.economics import FleetPlan
+from tokenmill.models import resolve_model
+from tokenmill.runner import encode_rows
+from tokenmill.sampling import corpus_sample
+from tokenmill.shards import discover_shards, read_shard
+from tokenmill.spec import JobSpec
+
+
+class CorpusEstimate(BaseModel):
+    rows: int
+    rows_exact: bool  # Parquet row counts come from file metadata; JSONL rows are estimated from bytes
+    sample_rows: int
+    tokens_per_row_mean: float
+    tokens_per_row_p95: float
+    tokens: float
+    tokens_low: float  # 95% interval of the estimate
+    tokens_high: float
+    largest_shard_rows: int
+    largest_shard_tokens: float
+    shards: int
+
+    def describe(self) -> str:
+        spread = (self.tokens_high - self.tokens) / self.tokens if self.tokens else 0.0
+        rows = f"{self.rows:,} rows" + ("" if self.rows_exact else " (estimated from bytes)")
+        return (f"{rows} in {self.shards} shards; {self.tokens:,.0f} tokens "
+                f"(95% interval {self.tokens_low:,.0f} to {self.tokens_high:,.0f}, ±{spread:.1%}; "
+                f"estimated from {self.sample_rows} sampled rows at {self.tokens_per_row_mean:.1f} tokens/row)")
+
+
+def estimate_corpus(spec: JobSpec, sample_rows: int = 512) -> CorpusEstimate:
+    """Rows from the shards (Parquet metadata, or JSONL bytes / bytes per row), tokens from a
+    sample tokenized with the job's model; the interval is the sample mean's 95% interval."""
+    shards = discover_shards(spec.input, fmt=spec.format, max_shard_rows=spec.batching.max_shard_rows,
+                             max_shard_bytes=spec.batching.max_shard_bytes, storage_options=spec.storage_options)
+    texts, _ = corpus_sample(spec, sample_rows)
+    encoded = encode_rows(texts, spec, resolve_model(spec.model_name))
+    lengths = sorted(len(ids) for ids in encoded.token_ids)
+    mean = statistics.fmean(lengths)
+    sd = statistics.stdev(lengths) if len(lengths) > 1 else 0.0
+    p95 = lengths[int(0.95 * (len(lengths) - 1))]
+
+    exact = all(s.expected_rows is not None for s in shards)
+    if exact:
+        shard_rows = [s.expected_rows or 0 for s in shards]
+    else:
+        bytes_per_row = _jsonl_bytes_per_row(spec, shards)
+        shard_rows = [s.expected_rows if s.expected_rows is not None
+                      else round((s.byte_end - s.byte_start) / bytes_per_row) for s in shards]
+    rows = sum(shard_rows)
+    half_width = 1.96 * sd / math.sqrt(len(lengths)) if len(lengths) > 1 else 0.0
+    return CorpusEstimate(
+        rows=rows, rows_exact=exact, sample_rows=len(lengths), tokens_per_row_mean=mean, tokens_per_row_p95=p95,
+        tokens=rows * mean, tokens_low=rows * max(mean - half_width, 0.0), tokens_high=rows * (mean + half_width),
+        largest_shard_rows=max(shard_rows), largest_shard_tokens=max(shard_rows) * mean, shards=len(shards),
+    )
+
+
+def _jsonl_bytes_per_row(spec: JobSpec, shards) -> float:
+    first = next(s for s in shards if s.expected_rows is None and s.byte_end > s.byte_start)
+    table, bad = read_shard(first, [spec.id_column, spec.text_column], spec.storage_options)
+    return (first.byte_end - first.byte_start) / max(table.num_rows + len(bad), 1)
+
+
+def make_plan(spec: JobSpec, estimate: CorpusEstimate, tokens_per_s_per_gpu: float, window_hours: float,
+              straggler_margin: float = 0.1, preemptions_per_gpu_hour: float = 0.05,
+              engine_start_seconds: float = 60.0) -> FleetPlan:
+    return FleetPlan(
+        total_tokens=estimate.tokens, tokens_per_s_per_gpu=tokens_per_s_per_gpu, window_hours=window_hours,
+        straggler_margin=straggler_margin, preemptions_per_gpu_hour=preemptions_per_gpu_hour,
+        largest_shard_tokens=estimate.largest_shard_tokens, engine_start_seconds=engine_start_seconds,
+        usd_per_gpu_hour_spot=spec.pricing.usd_per_gpu_hour_spot,
+        usd_per_gpu_hour_on_demand=spec.pricing.usd_per_gpu_hour_on_demand,
+    )
+
+
+def plan_markdown(plan: FleetPlan, estimate: CorpusEstimate, rate_source: str) -> str:
+    lines = [
+        "# tokenmill plan",
+        "",
+        f"- **Corpus:** {estimate.describe()}",
+        f"- **Throughput:** {plan.tokens_per_s_per_gpu:,.0f} tokens/s per GPU ({rate_source}); "
+        f"{plan.effective_tokens_per_s_per_gpu:,.0f} after preemption re-work",
+        f"- **Window:** {plan.window_hours:g} h with a {plan.straggler_margin:.0%} straggler margin",
+        "",
+        f"**{plan.gpus} GPUs** finish in **{plan.finish_hours():.2f} h** "
+        f"({plan.gpu_hours_of_work:,.1f} GPU-hours of work).",
+        "",
+        "| | spot | on-demand |",
+        "|---|---|---|",
+        f"| total | ${plan.usd_spot():,.2f} | ${plan.usd_on_demand():,.2f} |",
+        f"| per 1M tokens | ${plan.usd_per_1m_tokens():.4f} | "
+        f"${plan.usd_on_demand() / plan.total_tokens * 1e6 if plan.total_tokens else 0:.4f} |",
+        "",
+        f"- **Largest shard:** {estimate.largest_shard_rows:,} rows, ~{plan.largest_shard_tokens:,.0f} tokens: "
+        f"{plan.shard_hours * 3600:,.0f} s on one GPU, the slowest straggler.",
+        f"- **Preemptions:** {plan.preemptions_per_gpu_hour:g} per GPU-hour, ~{plan.expected_preemptions:.1f} "
+        f"expected; each re-does half a shard plus an engine start "
+        f"({plan.rework_hours_per_preemption * 3600:,.0f} s), {plan.rework_gpu_hours:,.2f} GPU-hours in all.",
+        "",
+        "Under- and over-provisioning:",
+        "",
+        "| GPUs | finish (h) | misses window by (h) | idle GPU-hours | $ spot | vs plan |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in plan.alternatives():
+        lines.append(f"| {row['gpus']} | {row['finish_hours']:.2f} | {row['misses_window_by_hours']:.2f} | "
+                     f"{row['idle_gpu_hours']:.2f} | ${row['usd_spot']:,.2f} | {row['usd_vs_plan']:+,.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plan_metrics(plan: FleetPlan, estimate: CorpusEstimate) -> dict[str, Any]:
+    return {"plan_gpus": plan.gpus, "plan_finish_hours": plan.finish_hours(), "plan_usd_spot": plan.usd_spot(),
+            "plan_usd_on_demand": plan.usd_on_demand(), "plan_usd_per_1m_tokens": plan.usd_per_1m_tokens(),
+            "plan_tokens": estimate.tokens, "plan_tokens_low": estimate.tokens_low,
+            "plan_tokens_high": estimate.tokens_high, "plan_tokens_per_s_per_gpu": plan.tokens_per_s_per_gpu,
+            "plan_largest_shard_seconds": plan.shard_hours * 3600, "plan_rework_gpu_hours": plan.rework_gpu_hours}

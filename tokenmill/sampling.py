@@ -1,0 +1,38 @@
+"""Deterministic samples of a corpus, for the eval gate, calibration and plans."""
+
+from __future__ import annotations
+
+import hashlib
+
+from tokenmill.errors import InputError
+from tokenmill.schema import validate_rows
+from tokenmill.shards import discover_shards, read_shard
+from tokenmill.spec import JobSpec
+
+
+def corpus_sample(spec: JobSpec, rows: int, seed: int = 0, eval_file: str | None = None) -> tuple[list[str], str]:
+    """Texts of `rows` rows: an eval file's, or N of the corpus's first 4N valid rows, chosen by
+    a hash of their id (the same corpus gives the same sample however it is sharded, without
+    reading the whole corpus). Returns (texts, a description of where they came from)."""
+    source = eval_file or spec.input
+    shards = discover_shards(source, fmt=spec.format, max_shard_rows=spec.batching.max_shard_rows,
+                             max_shard_bytes=spec.batching.max_shard_bytes, storage_options=spec.storage_options)
+    pool: list[tuple[str, str]] = []
+    for shard in shards:
+        table, _ = read_shard(shard, [spec.id_column, spec.text_column], spec.storage_options)
+        valid = validate_rows(table, shard.uri, spec.id_column, spec.text_column).valid
+        pool += [(str(i), t) for i, t in zip(valid.column(spec.id_column).to_pylist(),
+                                             valid.column(spec.text_column).to_pylist())]
+        if eval_file is None and len(pool) >= 4 * rows:
+            break
+    if not pool:
+        raise InputError(source, "no valid rows to sample")
+    if eval_file is None:
+        pool = pool[: 4 * rows]
+
+    def rank(item: tuple[str, str]) -> str:
+        return hashlib.sha256(f"{seed}:{item[0]}".encode()).hexdigest()
+
+    chosen = sorted(pool, key=rank)[:rows]
+    label = f"eval file {eval_file}" if eval_file else f"{len(chosen)} corpus rows by id hash"
+    return [text for _, text in chosen], label
