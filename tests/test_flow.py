@@ -210,6 +210,7 @@ def test_s3_faults_are_retried_and_the_retries_show_in_the_run_log(tmp_path, cor
     retries = [line for line in logs if "; retry " in line]
     assert sum("injected SlowDown" in line for line in retries) >= 2, logs
     assert sum("injected InternalError" in line for line in retries) >= 2, logs
+    assert not any(proxy.url in line or s3_server in line for line in logs)  # the endpoint stays out
 
 
 async def _flow_run_logs(flow_run_id) -> list[str]:

@@ -38,6 +38,16 @@ def test_transient_errors_are_retried_and_each_retry_is_logged(caplog, monkeypat
     assert messages[1].startswith("reading s3://b/k failed (ConnectionResetError: reset); retry 2/5 in ")
 
 
+def test_endpoints_are_kept_out_of_retry_logs(caplog, monkeypatch):
+    monkeypatch.setattr("tokenmill.storage.time.sleep", lambda seconds: None)
+    error = ConnectionError('Could not connect to the endpoint URL: "http://10.0.0.7:9000/bucket/key"')
+    call, _ = flaky([error])
+    with caplog.at_level(logging.WARNING, logger="tokenmill"):
+        retry_io(call, "reading s3://bucket/key")
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "10.0.0.7" not in message and "endpoint URL: \"<endpoint>\"" in message
+
+
 def test_backoff_grows_exponentially_with_jitter(monkeypatch):
     waits = []
     monkeypatch.setattr("tokenmill.storage.time.sleep", waits.append)

@@ -89,31 +89,36 @@ class LinearFit:
 
 
 def fit_call_time(batch_sizes: list[float], seconds_per_call: list[float]) -> LinearFit:
-    """Least-squares fit of t(b) = o + c*b."""
+    """Fit t(b) = o + c*b by least squares on relative error (weights 1/t^2).
+
+    Call times span orders of magnitude across a sweep; plain least squares would let the
+    largest batches decide the intercept alone, and the overhead shows only at small ones."""
     n = len(batch_sizes)
     if n < 2:
         raise ValueError("a fit needs at least two batch sizes")
-    mean_b = sum(batch_sizes) / n
-    mean_t = sum(seconds_per_call) / n
-    sxx = sum((b - mean_b) ** 2 for b in batch_sizes)
-    sxy = sum((b - mean_b) * (t - mean_t) for b, t in zip(batch_sizes, seconds_per_call))
-    if sxx == 0:
+    if len(set(batch_sizes)) < 2:
         raise ValueError("a fit needs at least two different batch sizes")
+    weights = [1.0 / t**2 if t > 0 else 1.0 for t in seconds_per_call]
+    total_w = sum(weights)
+    mean_b = sum(w * b for w, b in zip(weights, batch_sizes)) / total_w
+    mean_t = sum(w * t for w, t in zip(weights, seconds_per_call)) / total_w
+    sxx = sum(w * (b - mean_b) ** 2 for w, b in zip(weights, batch_sizes))
+    sxy = sum(w * (b - mean_b) * (t - mean_t) for w, b, t in zip(weights, batch_sizes, seconds_per_call))
     per_item = sxy / sxx
     overhead = mean_t - per_item * mean_b
-    total = sum((t - mean_t) ** 2 for t in seconds_per_call)
-    residual = sum((t - (overhead + per_item * b)) ** 2 for b, t in zip(batch_sizes, seconds_per_call))
+    total = sum(w * (t - mean_t) ** 2 for w, t in zip(weights, seconds_per_call))
+    residual = sum(w * (t - (overhead + per_item * b)) ** 2 for w, b, t in zip(weights, batch_sizes, seconds_per_call))
     return LinearFit(overhead=overhead, per_item=per_item, r2=1 - residual / total if total > 0 else 1.0)
 
 
 def find_plateau(batch_sizes: list[int], tokens_per_s: list[float], gain: float = 0.05) -> int:
-    """The smallest batch size beyond which doubling gains less than `gain` (5%).
-
-    Sizes are those measured, ascending, each about double the one before. With no
-    plateau in range, the largest size measured."""
+    """The smallest batch size beyond which doubling gains less than `gain` (5%): no larger
+    size measured beats it by `gain` or more, so one flat step in noisy measurements does
+    not end the search early. With no plateau in range, the largest size measured."""
     pairs = sorted(zip(batch_sizes, tokens_per_s))
-    for (size, rate), (_, next_rate) in zip(pairs, pairs[1:]):
-        if next_rate < rate * (1 + gain):
+    for index, (size, rate) in enumerate(pairs):
+        later = [r for _, r in pairs[index + 1:]]
+        if later and max(later) < rate * (1 + gain):
             return size
     return pairs[-1][0]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import re
 import time
 from typing import Any, Callable, TypeVar
 
@@ -26,6 +27,7 @@ from tokenmill.errors import TokenmillError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_URL = re.compile(r"[a-z][a-z0-9+.-]*://[^\s\"'<>]+", re.IGNORECASE)
 
 IO_ATTEMPTS = 6
 IO_BASE_SECONDS = 0.5
@@ -73,7 +75,10 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def describe_error(exc: BaseException) -> str:
+    """The error's type and first line, for a log, with any endpoint URL taken out (an
+    object store's endpoint is configuration we keep out of logs, like its credentials)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = _URL.sub("<endpoint>", text)
     return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__
 
 
