@@ -103,7 +103,7 @@ def prepare_corpora(docs: int) -> tuple[Path, Path]:
 
 def peak_memory_of_run(corpus: Path, scratch: Path, max_shard_rows: int) -> dict[str, float]:
     """Peak RSS of a `tokenmill run` process tree (CLI, Prefect server, vLLM engine), sampled every 0.2 s."""
-    import psutil
+    from tokenmill.calibrate import PeakMemory
 
     output = scratch / f"out-{corpus.name}"
     args = [sys.executable, "-m", "flows.cli", "run", "--input", str(corpus), "--output", str(output),
@@ -112,31 +112,17 @@ def peak_memory_of_run(corpus: Path, scratch: Path, max_shard_rows: int) -> dict
     env = dict(os.environ, PREFECT_HOME=str(scratch / f"prefect-{corpus.name}"))
     started = time.perf_counter()
     process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak_tree, peak_main = 0, 0
-    root = psutil.Process(process.pid)
     log_lines: list[str] = []
     reader = threading.Thread(target=lambda: log_lines.extend(process.stdout), daemon=True)
     reader.start()
-    while process.poll() is None:
-        try:
-            tree = [root] + root.children(recursive=True)
-            rss = []
-            for proc in tree:
-                try:
-                    rss.append(proc.memory_info().rss)
-                except psutil.Error:
-                    pass
-            peak_tree = max(peak_tree, sum(rss))
-            peak_main = max(peak_main, root.memory_info().rss)
-        except psutil.Error:
-            pass
-        time.sleep(0.2)
+    with PeakMemory(process.pid, interval=0.2) as memory:
+        process.wait()
     reader.join(timeout=10)
     if process.returncode != 0:
         raise RuntimeError(f"tokenmill run on {corpus} failed:\n{''.join(log_lines)[-3000:]}")
     manifest = json.loads((output / "_manifest.json").read_text())
-    return {"rows": manifest["totals"]["rows_in"], "peak_tree_gib": peak_tree / 2**30,
-            "peak_main_gib": peak_main / 2**30, "wall_s": time.perf_counter() - started}
+    return {"rows": manifest["totals"]["rows_in"], "peak_tree_gib": memory.peak_gib,
+            "peak_main_gib": memory.peak_root_gib, "wall_s": time.perf_counter() - started}
 
 
 def machine() -> str:

@@ -15,6 +15,7 @@ from tasks.storage import with_storage_secrets
 from tokenmill.calibrate import DEFAULT_BATCH_SIZES, Calibration, calibrate, plot_calibration
 from tokenmill.planning import CorpusEstimate, estimate_corpus, make_plan, plan_markdown, plan_metrics
 from tokenmill.spec import JobSpec
+from tokenmill.tracking import log_stage_run
 
 
 @task(name="calibrate", cache_policy=NONE)
@@ -43,12 +44,12 @@ def calibrate_flow(spec: JobSpec, batch_sizes: list[int] = list(DEFAULT_BATCH_SI
     logger.info("%s\nRecommended (paste into the job file):\n%s", result.summary(), result.snippet())
     create_markdown_artifact(f"```\n{result.summary()}\n```\n\nRecommended:\n\n```yaml\n{result.snippet()}```\n",
                              key="tokenmill-calibration", description="batch-size calibration")
-    run_id = _log_mlflow(spec, "calibrate", {f"calibrate_{k}": v for k, v in {
+    run_id = log_stage_run(spec, "calibrate", {f"calibrate_{k}": v for k, v in {
         "overhead_s": result.overhead_s, "per_item_s": result.per_item_s, "fit_r2": result.fit_r2,
         "plateau_batch_size": result.plateau_batch_size, "plateau_tokens_per_s": result.plateau_tokens_per_s,
     }.items()}, {"model": result.model, "engine": result.engine, "mode": result.mode,
                  "cliff": f"{result.cliff_batch_size} ({result.cliff_reason})" if result.cliff_batch_size else "none"},
-        [out / "calibration.json", out / "batching.yaml", plot],
+        files=[out / "calibration.json", out / "batching.yaml", plot],
         steps=[(p.batch_size, {"tokens_per_s": p.tokens_per_s, "usd_per_1m_tokens": p.usd_per_1m_tokens,
                                "seconds_per_call": p.seconds_per_call, "peak_memory_gib": p.peak_memory_gib})
                for p in result.points if p.error is None])
@@ -76,32 +77,8 @@ def plan_flow(spec: JobSpec, window_hours: float, tokens_per_s_per_gpu: float | 
     get_run_logger().info("\n%s", text)
     create_markdown_artifact(text, key="tokenmill-plan", description="fleet plan")
     metrics = plan_metrics(plan, estimate)
-    run_id = _log_mlflow(spec, "plan", metrics, {"window_hours": window_hours, "rate_source": source,
-                                                 "straggler_margin": straggler_margin,
-                                                 "preemptions_per_gpu_hour": preemptions_per_gpu_hour},
-                         text_artifacts={"plan.md": text})
+    run_id = log_stage_run(spec, "plan", metrics, {"window_hours": window_hours, "rate_source": source,
+                                                   "straggler_margin": straggler_margin,
+                                                   "preemptions_per_gpu_hour": preemptions_per_gpu_hour},
+                           texts={"plan.md": text})
     return {"plan": text, "metrics": metrics, "mlflow_run_id": run_id}
-
-
-def _log_mlflow(spec: JobSpec, run_name: str, metrics: dict[str, float], params: dict[str, Any],
-                files: list[Path] = (), text_artifacts: dict[str, str] | None = None,
-                steps: list[tuple[int, dict[str, float]]] = ()) -> str:
-    import os
-
-    import mlflow
-
-    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
-    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
-    mlflow.set_experiment(spec.tracking.experiment)
-    with mlflow.start_run(run_name=run_name, tags={"tokenmill.stage": run_name}) as run:
-        mlflow.log_params(params)
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
-        for step, values in steps:
-            mlflow.log_metrics(values, step=step)
-        for path in files:
-            mlflow.log_artifact(str(path))
-        for name, text in (text_artifacts or {}).items():
-            mlflow.log_text(text, name)
-        return run.info.run_id
-
-

@@ -73,8 +73,9 @@ def prefect_server():
         yield
 
 
-def damaged_copy(model_name: str, target, scale: float):
-    """The model with gaussian noise on every weight matrix: what a broken quantization does."""
+def modified_copy(model_name: str, target, change) -> str:
+    """A copy of the model (config, tokenizer, sentence-transformers files) whose every weight
+    matrix is replaced, in place, by change(matrix), saved in fp32."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -82,32 +83,38 @@ def damaged_copy(model_name: str, target, scale: float):
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "onnx", "openvino"))
     loader = AutoModel if model_name == "all-MiniLM-L6-v2" else AutoModelForCausalLM
     model = loader.from_pretrained(source, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() == 2:
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * parameter.std() * scale)
+                change(parameter)
     model.save_pretrained(target)
     return str(target)
 
 
-def quantized_copy(model_name: str, target, bits: int):
+def damaged_copy(model_name: str, target, scale: float) -> str:
+    """The model with gaussian noise on every weight matrix: what a broken quantization does."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+
+    def add_noise(weights):
+        weights.add_(torch.randn(weights.shape, generator=generator) * weights.std() * scale)
+
+    return modified_copy(model_name, target, add_noise)
+
+
+def quantized_copy(model_name: str, target, bits: int) -> str:
     """The model with its weight matrices rounded to `bits`-bit integers per output channel
     (absmax scaling), stored back in fp32: what a weight-only quantization does to the values."""
     import torch
-    from transformers import AutoModel
 
-    source = resolve_model(model_name)
-    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "onnx", "openvino"))
-    model = AutoModel.from_pretrained(source, dtype=torch.float32)
     levels = 2 ** (bits - 1) - 1
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 2:
-                scale = parameter.abs().amax(dim=1, keepdim=True) / levels
-                parameter.copy_(torch.round(parameter / scale).clamp(-levels, levels) * scale)
-    model.save_pretrained(target)
-    return str(target)
+
+    def quantize(weights):
+        scale = weights.abs().amax(dim=1, keepdim=True) / levels
+        weights.copy_(torch.round(weights / scale).clamp(-levels, levels) * scale)
+
+    return modified_copy(model_name, target, quantize)
 
 
 def test_embed_gate_passes_int8_weights_and_fails_naive_int4_weights(tmp_path):

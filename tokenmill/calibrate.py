@@ -20,8 +20,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from tokenmill.economics import RunCost, find_cliff, find_plateau, fit_call_time
-from tokenmill.engines import get_engine
+from tokenmill.economics import LinearFit, RunCost, find_cliff, find_plateau, fit_call_time
+from tokenmill.engines import get_engine, run_engine
 from tokenmill.models import resolve_model
 from tokenmill.runner import encode_rows
 from tokenmill.sampling import corpus_sample
@@ -56,6 +56,17 @@ class Calibration(BaseModel):
     cliff_batch_size: int | None
     cliff_reason: str
     recommended: dict[str, Any]
+
+    @property
+    def fit(self) -> LinearFit:
+        return LinearFit(self.overhead_s, self.per_item_s, self.fit_r2)
+
+    def tokens_per_s_at(self, batch_size: int) -> float:
+        """Measured throughput at the largest calibrated size not above `batch_size`
+        (the smallest size when all are above it)."""
+        good = [p for p in self.points if p.error is None]
+        at_or_below = [p for p in good if p.batch_size <= batch_size] or good[:1]
+        return max(at_or_below, key=lambda p: p.batch_size).tokens_per_s
 
     def snippet(self) -> str:
         """The recommended settings, as YAML to paste into a job file."""
@@ -137,25 +148,29 @@ def calibrate(spec: JobSpec, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
 
 def _call(engine, batch: list[list[int]], job: JobSpec) -> int:
     """One engine call; returns the output tokens it produced."""
-    if job.mode == "embed":
-        engine.embed(batch)
-        return 0
-    return sum(g.output_tokens for g in engine.generate(batch, job.generation))
+    outputs = run_engine(engine, batch, job)
+    return sum(g.output_tokens for g in outputs) if job.mode == "generate" else 0
 
 
 class PeakMemory:
-    """Peak memory while the block runs: GPU memory allocated where there is a GPU, else the
-    resident memory of this process and its children (vLLM's engine runs in a child)."""
+    """Peak memory while the block runs.
 
-    def __init__(self, interval: float = 0.05):
+    With no pid: GPU memory allocated where there is a GPU, else the resident memory of
+    this process and its children (vLLM's engine runs in a child). With a pid: the resident
+    memory of that process and its children, sampled until the block ends; `peak_root_bytes`
+    is that process alone."""
+
+    def __init__(self, pid: int | None = None, interval: float = 0.05):
+        self.pid = pid
         self.interval = interval
         self.peak_bytes = 0
+        self.peak_root_bytes = 0
         self._stop = threading.Event()
 
     def __enter__(self) -> "PeakMemory":
         import torch
 
-        self.cuda = torch.cuda.is_available()
+        self.cuda = self.pid is None and torch.cuda.is_available()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         else:
@@ -175,10 +190,18 @@ class PeakMemory:
     def _sample(self) -> None:
         import psutil
 
-        me = psutil.Process()
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.Error:
+            return
         while not self._stop.is_set():
+            try:
+                tree = [root] + root.children(recursive=True)
+                self.peak_root_bytes = max(self.peak_root_bytes, root.memory_info().rss)
+            except psutil.Error:
+                tree = []
             total = 0
-            for proc in [me] + me.children(recursive=True):
+            for proc in tree:
                 try:
                     total += proc.memory_info().rss
                 except psutil.Error:
@@ -189,6 +212,10 @@ class PeakMemory:
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / 2**30
+
+    @property
+    def peak_root_gib(self) -> float:
+        return self.peak_root_bytes / 2**30
 
 
 def plot_calibration(calibration: Calibration, path: Path) -> Path:
@@ -205,7 +232,7 @@ def plot_calibration(calibration: Calibration, path: Path) -> Path:
     ax.plot(sizes, [p.tokens_per_s for p in good], "o-", label="measured tokens/s")
     if calibration.per_item_s > 0:
         dense = [sizes[0] * (sizes[-1] / sizes[0]) ** (i / 50) for i in range(51)]
-        fitted = [b / (calibration.overhead_s + calibration.per_item_s * b) * tokens_per_row for b in dense]
+        fitted = [calibration.fit.items_per_s(b) * tokens_per_row for b in dense]
         ax.plot(dense, fitted, "--", color="grey",
                 label=f"fit t(b) = {calibration.overhead_s * 1000:.1f} ms + {calibration.per_item_s * 1000:.2f} ms·b")
     ax.axvline(calibration.plateau_batch_size, color="green", linestyle=":",

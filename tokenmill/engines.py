@@ -40,6 +40,13 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def run_engine(engine: Engine, batch: Sequence[Sequence[int]], spec: JobSpec) -> list:
+    """One engine call for the job's mode: vectors (embed) or Generations (generate)."""
+    if spec.mode == "embed":
+        return engine.embed(batch)
+    return engine.generate(batch, spec.generation)
+
+
 class VLLMEngine:
     name = "vllm"
 

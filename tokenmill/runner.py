@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from tokenmill import progress
 from tokenmill.bucketing import PaddingStats, fixed_batches, padding_stats, plan_batches, restore_order
-from tokenmill.engines import Engine, discard_engine, engine_died, get_engine
+from tokenmill.engines import Engine, discard_engine, engine_died, get_engine, run_engine
 from tokenmill.models import load_tokenizer, model_input_limit, resolve_model
 from tokenmill.outputs import OutputStore, rejects_table
 from tokenmill.schema import validate_rows
@@ -154,10 +154,7 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
     for batch in batches:
         batch_ids = [token_ids[i] for i in batch]
         batch_started = time.perf_counter()
-        if spec.mode == "embed":
-            results_by_batch.append(engine.embed(batch_ids))
-        else:
-            results_by_batch.append(engine.generate(batch_ids, spec.generation))
+        results_by_batch.append(run_engine(engine, batch_ids, spec))
         engine_seconds += time.perf_counter() - batch_started
         progress.emit("rows_done", shard_id=shard_id, rows=len(batch))
     return results_by_batch, engine_seconds

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from tokenmill.bucketing import PaddingStats
+from tokenmill.calibrate import Calibration
 from tokenmill.economics import RunCost
 from tokenmill.runner import ShardResult
 from tokenmill.spec import JobSpec
@@ -98,10 +100,8 @@ def predicted_against_measured(spec: JobSpec, cost: RunCost) -> dict[str, float]
     implies for the tokens this run processed, beside what was measured."""
     if not spec.calibration:
         return {}
-    calibration = json.loads(Path(spec.calibration).read_text())
-    points = [p for p in calibration["points"] if not p.get("error")]
-    at_or_below = [p for p in points if p["batch_size"] <= spec.batching.max_batch_size] or points[:1]
-    predicted = max(at_or_below, key=lambda p: p["batch_size"])["tokens_per_s"]
+    calibration = Calibration.model_validate_json(Path(spec.calibration).read_text())
+    predicted = calibration.tokens_per_s_at(spec.batching.max_batch_size)
     predicted_hours = cost.total_tokens / predicted / 3600 * cost.gpu_count if predicted else 0.0
     return {
         "predicted_tokens_per_s": predicted,
@@ -155,15 +155,24 @@ def shard_rows(results: list[ShardResult]) -> list[dict[str, Any]]:
     ]
 
 
-def log_run(spec: JobSpec, params: dict[str, Any], metrics: dict[str, float], results: list[ShardResult],
-            manifest: dict[str, Any], tags: dict[str, str] | None = None, gate_report=None) -> str:
-    """Write one MLflow run; returns its id."""
+@contextmanager
+def mlflow_run(spec: JobSpec, run_name: str | None, tags: dict[str, str] | None = None) -> Iterator[Any]:
+    """An MLflow run in the job's tracking store and experiment; yields the active run."""
     import mlflow
 
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
     mlflow.set_experiment(spec.tracking.experiment)
-    with mlflow.start_run(run_name=spec.tracking.run_name, tags=tags) as run:
+    with mlflow.start_run(run_name=run_name, tags=tags) as run:
+        yield run
+
+
+def log_run(spec: JobSpec, params: dict[str, Any], metrics: dict[str, float], results: list[ShardResult],
+            manifest: dict[str, Any], tags: dict[str, str] | None = None, gate_report=None) -> str:
+    """Write one MLflow run; returns its id."""
+    import mlflow
+
+    with mlflow_run(spec, spec.tracking.run_name, tags) as run:
         mlflow.log_params(params)
         mlflow.log_metrics(metrics)
         mlflow.log_text(summary_markdown(spec, metrics, results), "summary.md")
@@ -204,18 +213,29 @@ def _length_plot(results: list[ShardResult], path: Path, metrics: dict[str, floa
     return path
 
 
-def log_gate_run(spec: JobSpec, report, extra_params: dict[str, Any] | None = None) -> str:
-    """An MLflow run holding only the gate's figures: a gate run alone, or a job the gate stopped."""
+def log_stage_run(spec: JobSpec, stage: str, metrics: dict[str, float], params: dict[str, Any],
+                  run_name: str | None = None, files: Iterable[Path] = (), texts: dict[str, str] | None = None,
+                  steps: Iterable[tuple[int, dict[str, float]]] = ()) -> str:
+    """An MLflow run for a stage other than the batch job (gate, calibrate, plan), tagged
+    `tokenmill.stage`; `steps` are metrics logged against a step (a batch size). Returns its id."""
     import mlflow
 
-    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
-    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
-    mlflow.set_experiment(spec.tracking.experiment)
-    with mlflow.start_run(run_name=spec.tracking.run_name or "gate", tags={"tokenmill.stage": "gate"}) as run:
-        mlflow.log_params({**gate_params(report), **(extra_params or {})})
-        mlflow.log_metrics(report.mlflow_metrics())
-        mlflow.log_text(report.message(), "gate.txt")
+    with mlflow_run(spec, run_name or stage, {"tokenmill.stage": stage}) as run:
+        mlflow.log_params(params)
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+        for step, values in steps:
+            mlflow.log_metrics(values, step=step)
+        for path in files:
+            mlflow.log_artifact(str(path))
+        for name, text in (texts or {}).items():
+            mlflow.log_text(text, name)
         return run.info.run_id
+
+
+def log_gate_run(spec: JobSpec, report) -> str:
+    """An MLflow run holding only the gate's figures: a gate run alone, or a job the gate stopped."""
+    return log_stage_run(spec, "gate", report.mlflow_metrics(), gate_params(report),
+                         run_name=spec.tracking.run_name or "gate", texts={"gate.txt": report.message()})
 
 
 def gate_params(report) -> dict[str, Any]:
