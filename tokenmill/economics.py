@@ -17,6 +17,8 @@ class RunCost:
     gpu_count: int
     usd_per_gpu_hour_spot: float
     usd_per_gpu_hour_on_demand: float
+    # A fleet rents GPUs for its worker runs' lifetimes, not for the orchestrator's wall time
+    gpu_seconds: float | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -24,7 +26,8 @@ class RunCost:
 
     @property
     def gpu_hours(self) -> float:
-        return self.wall_seconds / 3600.0 * self.gpu_count
+        rented = self.wall_seconds if self.gpu_seconds is None else self.gpu_seconds
+        return rented / 3600.0 * self.gpu_count
 
     @property
     def usd_spot(self) -> float:
@@ -58,7 +61,8 @@ class RunCost:
     def metrics(self) -> dict[str, float]:
         names = ("total_tokens", "gpu_hours", "usd_spot", "usd_on_demand", "tokens_per_s",
                  "items_per_s", "engine_tokens_per_s", "usd_per_1m_tokens", "usd_per_1m_tokens_on_demand")
-        values = {k: v for k, v in asdict(self).items() if not k.startswith("usd_per_gpu") and k != "gpu_count"}
+        values = {k: v for k, v in asdict(self).items()
+                  if not k.startswith("usd_per_gpu") and k != "gpu_count" and v is not None}
         values.update({name: getattr(self, name) for name in names})
         return {k: float(v) for k, v in values.items()}
 

@@ -41,6 +41,9 @@ class ShardSpec(BaseModel):
     byte_start: int = 0  # JSONL: byte range [byte_start, byte_end) in the file
     byte_end: int = 0
     fingerprint: str = ""
+    # Uncompressed bytes of the shard's rows (Parquet row-group sizes, JSONL byte range): what a
+    # fleet balances work by before any token is counted. Derived, so not in the fingerprint.
+    data_bytes: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -80,11 +83,13 @@ def _plan_file(fs, root: str, path: str, fmt: str, max_shard_rows: int, max_shar
         if base["file_size"] == 0:
             raise InputError(uri, "file is empty (0 bytes), so not a Parquet file: a Parquet file has at least "
                                   "a header and a footer")
-        pieces = _parquet_pieces(fs, path, uri, max_shard_rows) or [(0, 0, ())]
+        pieces = _parquet_pieces(fs, path, uri, max_shard_rows) or [(0, 0, (), 0)]
         return [_finish(ShardSpec(shard_id=f"{name}.r{start:09d}-{end:09d}", row_start=start, row_end=end,
-                                  row_groups=groups, **base)) for start, end, groups in pieces]
+                                  row_groups=groups, data_bytes=data_bytes, **base))
+                for start, end, groups, data_bytes in pieces]
     ranges = list(_jsonl_ranges(fs, path, base["file_size"], max_shard_bytes)) or [(0, 0)]
-    return [_finish(ShardSpec(shard_id=f"{name}.b{start:012d}-{end:012d}", byte_start=start, byte_end=end, **base))
+    return [_finish(ShardSpec(shard_id=f"{name}.b{start:012d}-{end:012d}", byte_start=start, byte_end=end,
+                              data_bytes=end - start, **base))
             for start, end in ranges]
 
 
@@ -138,7 +143,8 @@ def read_shard(shard: ShardSpec, columns: list[str], storage_options: dict[str, 
 
 # --- Parquet -----------------------------------------------------------------
 
-def _parquet_pieces(fs, path: str, uri: str, max_rows: int) -> list[tuple[int, int, tuple[int, ...]]]:
+def _parquet_pieces(fs, path: str, uri: str, max_rows: int) -> list[tuple[int, int, tuple[int, ...], int]]:
+    """(row_start, row_end, row_groups, uncompressed bytes) of each piece of one file."""
     metadata = _parquet_metadata(fs, path, uri)
     pieces: list[tuple[int, int, tuple[int, ...]]] = []
     start, groups, rows = 0, [], 0
@@ -164,7 +170,20 @@ def _parquet_pieces(fs, path: str, uri: str, max_rows: int) -> list[tuple[int, i
         offset += group_rows
     if groups:
         pieces.append((start, start + rows, tuple(groups)))
-    return pieces
+    return [(start, end, groups, _piece_bytes(metadata, start, end, groups)) for start, end, groups in pieces]
+
+
+def _piece_bytes(metadata, start: int, end: int, groups: tuple[int, ...]) -> int:
+    """The row groups' uncompressed size, pro rata where a piece cuts a group."""
+    offsets = [0]
+    for index in range(metadata.num_row_groups):
+        offsets.append(offsets[-1] + metadata.row_group(index).num_rows)
+    total = 0.0
+    for index in groups:
+        group = metadata.row_group(index)
+        overlap = min(end, offsets[index + 1]) - max(start, offsets[index])
+        total += group.total_byte_size * overlap / max(group.num_rows, 1)
+    return int(total)
 
 
 def _parquet_metadata(fs, path: str, uri: str):
@@ -275,7 +294,7 @@ def _jsonl_column(values: list) -> pa.Array:
 # --- helpers -----------------------------------------------------------------
 
 def _finish(shard: ShardSpec) -> ShardSpec:
-    identity = shard.model_dump(exclude={"fingerprint", "shard_id"})
+    identity = shard.model_dump(exclude={"fingerprint", "shard_id", "data_bytes"})
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return shard.model_copy(update={"fingerprint": digest})
 

@@ -140,6 +140,32 @@ class GateSpec(_Spec):
         "fail", description="fail: the flow ends Failed. use_reference: the corpus runs with the reference.")
 
 
+class FleetSpec(_Spec):
+    """dispatch: pool. Shards fan out to the shard-worker deployment on a GPU work pool."""
+
+    deployment: str = Field(
+        "tokenmill-shard-worker/gpu-spot",
+        description="The shard-worker deployment, as flow-name/deployment-name (deployments/prefect.yaml).")
+    workers: int = Field(4, ge=1, description="Work lists per dispatch: one per GPU worker run.")
+    max_rounds: int = Field(
+        3, ge=1, description="Dispatch rounds: the first, plus re-dispatches of the unfinished shards of "
+        "runs that ended Crashed, Failed or Cancelled (a preemption).")
+    straggler_seconds: float | None = Field(
+        None, gt=0, description="A worker run still going this long after it started gets a speculative "
+        "copy of its unfinished shards. Empty: straggler_factor x the median finished run.")
+    straggler_factor: float = Field(1.5, ge=1.0, description="See straggler_seconds.")
+    concurrency_limit: str = Field(
+        "tokenmill-gpu", description="Prefect global concurrency limit every shard-worker run holds a slot "
+        "of while its engine is up: the cap on GPU workers at once, across jobs.")
+    concurrency_slots: int = Field(
+        8, ge=1, description="The limit's size, used only when the limit does not exist yet.")
+    slot_lease_seconds: float = Field(
+        300, ge=60, description="A slot of a worker that vanished (SIGKILL, lost node) frees after this long.")
+    poll_seconds: float = Field(5.0, gt=0, description="How often the orchestrator reads its worker runs' states.")
+    job_variables: dict[str, Any] = Field(
+        default_factory=dict, description="Work-pool job variables for the worker runs (image, env, ...).")
+
+
 class JobSpec(_Spec):
     """One batch job: where the rows are, what to run on them, where the results go."""
 
@@ -171,6 +197,10 @@ class JobSpec(_Spec):
     )
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     gate: GateSpec | None = Field(None, description="Run the eval gate first; see GateSpec.")
+    dispatch: Literal["local", "pool"] = Field(
+        "local", description="local: every shard in this process. pool: shards fan out to GPU worker runs "
+        "of the fleet's deployment; see fleet.")
+    fleet: FleetSpec = Field(default_factory=FleetSpec)
     calibration: str | None = Field(
         None, description="calibration.json from `tokenmill calibrate`: the run then records predicted "
         "against measured tokens/s and $.")

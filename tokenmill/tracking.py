@@ -44,9 +44,10 @@ def job_params(spec: JobSpec, engine: str, model_path: str, device: str) -> dict
 
 
 def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSpec,
-                cached_shard_ids: set[str] = frozenset()) -> dict[str, float]:
+                cached_shard_ids: set[str] = frozenset(), fleet: dict[str, float] | None = None) -> dict[str, float]:
     """Rows and padding over the whole job; speed and cost over the shards this run
-    computed (cached shards were paid for by an earlier run)."""
+    computed (cached shards were paid for by an earlier run). With a fleet, the GPUs are
+    paid for the worker runs' time, not the orchestrator's."""
     results = list(results)
     fresh = [r for r in results if r.shard_id not in cached_shard_ids]
     cost = RunCost(
@@ -58,6 +59,7 @@ def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSp
         gpu_count=spec.pricing.gpu_count,
         usd_per_gpu_hour_spot=spec.pricing.usd_per_gpu_hour_spot,
         usd_per_gpu_hour_on_demand=spec.pricing.usd_per_gpu_hour_on_demand,
+        gpu_seconds=fleet["worker_seconds"] if fleet else None,
     )
     real = sum(r.real_tokens for r in results)
     padded = sum(r.padded_slots for r in results)
@@ -78,6 +80,7 @@ def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSp
         padded_slots=padded,
         baseline_padded_slots=baseline,
     )
+    metrics.update(fleet or {})
     return {k: float(v) for k, v in metrics.items()}
 
 
@@ -131,6 +134,10 @@ def summary_markdown(spec: JobSpec, metrics: dict[str, float], results: list[Sha
         f"${m['usd_padding_avoided']:.4f} at this run's price per slot",
         f"- shards: {m['shards']:.0f} ({m['shards_cached']:.0f} from cache), {m['batches']:.0f} batches",
     ]
+    if "dispatch_rounds" in m:
+        lines.append(f"- fleet: {m['worker_runs']:.0f} worker runs over {m['dispatch_rounds']:.0f} dispatch rounds "
+                     f"({m['worker_runs_lost']:.0f} lost, {m['speculative_copies']:.0f} speculative copies), "
+                     f"{m['worker_seconds']:.0f} worker-seconds")
     if "predicted_tokens_per_s" in m:
         lines.append(f"- predicted by calibration: {m['predicted_tokens_per_s']:.0f} tokens/s, "
                      f"${m['predicted_usd_spot']:.4f}; measured: {m['measured_tokens_per_s']:.0f} tokens/s "
@@ -168,7 +175,8 @@ def mlflow_run(spec: JobSpec, run_name: str | None, tags: dict[str, str] | None 
 
 
 def log_run(spec: JobSpec, params: dict[str, Any], metrics: dict[str, float], results: list[ShardResult],
-            manifest: dict[str, Any], tags: dict[str, str] | None = None, gate_report=None) -> str:
+            manifest: dict[str, Any], tags: dict[str, str] | None = None, gate_report=None,
+            workers: list[dict[str, Any]] | None = None) -> str:
     """Write one MLflow run; returns its id."""
     import mlflow
 
@@ -181,6 +189,8 @@ def log_run(spec: JobSpec, params: dict[str, Any], metrics: dict[str, float], re
             mlflow.log_metrics(gate_report.mlflow_metrics())
             mlflow.log_text(gate_report.message(), "gate.txt")
         mlflow.log_dict(manifest, "manifest.json")
+        if workers:
+            mlflow.log_table(data={k: [row[k] for row in workers] for k in workers[0]}, artifact_file="workers.json")
         mlflow.log_table(data={k: [row[k] for row in shard_rows(results)] for k in shard_rows(results)[0]}
                          if results else {"shard": []}, artifact_file="shards.json")
         with tempfile.TemporaryDirectory() as scratch:
