@@ -8,6 +8,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from flows.fleet import dispatch_to_pool
 from flows.gate import GateFailed, gate_flow
 from tasks.record import record_run_task
 from tasks.shards import (
@@ -19,6 +20,8 @@ from tasks.shards import (
 )
 from tokenmill import progress
 from tokenmill.gate import candidate_model
+from tokenmill.runner import ShardResult
+from tokenmill.shards import ShardSpec
 from tokenmill.spec import JobSpec
 from tokenmill.tracking import log_gate_run
 
@@ -45,6 +48,29 @@ def batch_flow(spec: JobSpec = JobSpec()) -> dict[str, Any]:
     progress.emit("job_started", shards=len(shards), rows=None if None in expected else sum(expected))
     progress_id = create_progress_artifact(0.0, key="tokenmill-progress", description="shards finished")
 
+    fleet = None
+    if spec.dispatch == "pool":
+        fleet = dispatch_to_pool(spec, shards, state_storage(spec))
+        results, cached = fleet.results, fleet.cached
+        for result in results:
+            progress.emit("shard_done", shard_id=result.shard_id, result=result, cached=result.shard_id in cached)
+        write_manifest_task(spec, results, len(shards), final=False)
+        update_progress_artifact(progress_id, 100.0)
+    else:
+        results, cached = _run_here(spec, shards, progress_id)
+
+    results = reject_duplicates_task(spec, shards, results)
+    write_manifest_task(spec, results, len(shards))
+    record = record_run_task(spec, results, time.perf_counter() - started, cached, gate_report=gate_report,
+                             fleet_metrics=fleet.metrics if fleet else None,
+                             fleet_workers=fleet.workers if fleet else None)
+    logger.info("\n%s", record["summary"])
+    return record
+
+
+def _run_here(spec: JobSpec, shards: list[ShardSpec], progress_id) -> tuple[list[ShardResult], list[str]]:
+    """dispatch: local. Every shard in this process, in order, on one engine."""
+    logger = get_run_logger()
     run_shard_task = process_shard_task.with_options(result_storage=state_storage(spec))
     results, cached = [], []
     for done, shard in enumerate(shards, start=1):
@@ -60,9 +86,4 @@ def batch_flow(spec: JobSpec = JobSpec()) -> dict[str, Any]:
         logger.info("shard %s%s: %d rows out, %d rejected (%d/%d shards)", shard.shard_id,
                     " (cached)" if from_cache else "", result.rows_out, result.rows_rejected,
                     done, len(shards))
-
-    results = reject_duplicates_task(spec, shards, results)
-    write_manifest_task(spec, results, len(shards))
-    record = record_run_task(spec, results, time.perf_counter() - started, cached, gate_report=gate_report)
-    logger.info("\n%s", record["summary"])
-    return record
+    return results, cached

@@ -39,6 +39,9 @@ FLAG_FIELDS = {  # flag -> dotted JobSpec field
     "max_shard_rows": "batching.max_shard_rows",
     "tracking_uri": "tracking.mlflow_tracking_uri",
     "experiment": "tracking.experiment",
+    "dispatch": "dispatch",
+    "workers": "fleet.workers",
+    "deployment": "fleet.deployment",
 }
 
 
@@ -95,6 +98,10 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-rows", dest="max_shard_rows", type=int)
     parser.add_argument("--tracking-uri", dest="tracking_uri")
     parser.add_argument("--experiment")
+    parser.add_argument("--dispatch", choices=["local", "pool"],
+                        help="pool: fan shards out to the GPU work pool's shard-worker deployment")
+    parser.add_argument("--workers", type=int, help="pool: work lists, one per GPU worker run")
+    parser.add_argument("--deployment", help="pool: the shard-worker deployment (flow/deployment)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="any JobSpec field, dotted, YAML value: --set model.engine_kwargs.max_model_len=512")
 

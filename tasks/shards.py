@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.runtime import flow_run as runtime_flow_run
 from prefect.cache_policies import NONE, CachePolicy
 from prefect.filesystems import WritableFileSystem
 from prefect.tasks import exponential_backoff
@@ -15,6 +16,7 @@ from prefect.tasks import exponential_backoff
 from tasks.logs import with_core_logs
 from tasks.storage import StateStorage, with_storage_secrets
 from tokenmill.audit import reject_cross_shard_duplicates
+from tokenmill.dispatch import read_shard_list, write_shard_list
 from tokenmill.errors import InputError
 from tokenmill.manifest import build_manifest
 from tokenmill.outputs import MANIFEST, STATE_DIR, OutputStore
@@ -43,6 +45,20 @@ def discover_shards_task(spec: JobSpec) -> list[ShardSpec]:
     for uri in empty:
         logger.warning("%s has no rows: it is in the manifest with 0 rows and adds nothing", uri)
     return shards
+
+
+@task(name="load-shard-list", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
+@with_core_logs
+def load_shard_list_task(spec: JobSpec, uri: str) -> list[ShardSpec]:
+    spec = with_storage_secrets(spec)
+    return read_shard_list(OutputStore(spec.output, spec.storage_options), uri)
+
+
+@task(name="write-shard-list", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
+@with_core_logs
+def write_shard_list_task(spec: JobSpec, shards: list[ShardSpec]) -> str:
+    spec = with_storage_secrets(spec)
+    return write_shard_list(OutputStore(spec.output, spec.storage_options), shards)
 
 
 @dataclass
@@ -75,7 +91,8 @@ def is_transient(task, task_run, state) -> bool:
 )
 @with_core_logs
 def process_shard_task(shard: ShardSpec, spec: JobSpec) -> ShardResult:
-    return run_shard(shard, with_storage_secrets(spec))
+    result = run_shard(shard, with_storage_secrets(spec))
+    return result.model_copy(update={"worker": runtime_flow_run.name or ""})
 
 
 def state_storage(spec: JobSpec) -> Path | WritableFileSystem:
