@@ -16,6 +16,7 @@ from typing import Any
 
 from prefect import get_client, get_run_logger
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.filesystems import LocalFileSystem, WritableFileSystem
@@ -33,7 +34,7 @@ from tokenmill.dispatch import (
     fleet_metrics,
     worker_rows,
 )
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import ConfigError, TokenmillError
 from tokenmill.runner import ShardResult, shard_cache_key
 from tokenmill.shards import ShardSpec
 from tokenmill.spec import FleetSpec, JobSpec
@@ -60,11 +61,18 @@ def dispatch_to_pool(spec: JobSpec, shards: list[ShardSpec], storage: Path | Wri
     already = {sid for sid, key in keys.items() if store.exists(key)}
     pending = [s for s in shards if s.shard_id not in already]
     ledger = DispatchLedger({s.shard_id: max(estimated_tokens(s), 1.0) for s in pending}, fleet.workers,
-                            fleet.max_rounds, fleet.straggler_seconds, fleet.straggler_factor)
+                            fleet.max_rounds, fleet.straggler_seconds, fleet.straggler_factor,
+                            fleet.start_timeout_seconds)
     logger.info("%d shards already finished; %d to dispatch to %s", len(already), len(pending), fleet.deployment)
     if pending:
         shard_list = write_shard_list_task(spec, shards)
         with get_client(sync_client=True) as client:
+            try:
+                client.read_deployment_by_name(fleet.deployment)
+            except ObjectNotFound:
+                raise ConfigError(f"fleet.deployment {fleet.deployment!r} is not deployed on the Prefect API at "
+                                  f"{client.api_url}: run `prefect deploy --all --prefect-file "
+                                  f"deployments/prefect.yaml` there (README, Fleet)") from None
             ensure_concurrency_limit(client, fleet)
             _run_fleet(spec, ledger, store, keys, shard_list, client, logger)
     if not ledger.done:
@@ -114,6 +122,8 @@ def _run_fleet(spec: JobSpec, ledger: DispatchLedger, store: ResultStore, keys: 
                 continue
             if state.is_running():
                 ledger.seen_running(run.run_id, now)
+                if run.working_at is None and _has_begun_a_shard(client, run.run_id):
+                    ledger.seen_working(run.run_id, now)
             if not state.is_final():
                 continue
             ledger.mark_finished(finished(run.shard_ids))
@@ -133,20 +143,34 @@ def _run_fleet(spec: JobSpec, ledger: DispatchLedger, store: ResultStore, keys: 
                 launch(copy)
         for run in ledger.redundant():
             cancel_run(client, run, ledger, "every shard it holds finished in another run")
+        for run in ledger.never_started(now):
+            logger.warning("%s has not started %.0f s after its launch: cancelling it, its shards go to the "
+                           "next round", run.name, now - run.launched_at)
+            cancel_run(client, run, ledger, "it never started", redundant=False)
     for run in ledger.live_runs:  # copies still racing on shards already written
         cancel_run(client, run, ledger, "the job's shards are all finished")
 
 
-def cancel_run(client, run: WorkerRun, ledger: DispatchLedger, reason: str) -> None:
-    if run.run_id in ledger.cancelled:
+def _has_begun_a_shard(client, flow_run_id: str) -> bool:
+    """Whether the worker run holds its GPU slot: its shard tasks start only inside it."""
+    tasks = client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+        task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="shard ")), limit=1)
+    return bool(tasks)
+
+
+def cancel_run(client, run: WorkerRun, ledger: DispatchLedger, reason: str, redundant: bool = True) -> None:
+    """Stop a run. A redundant one is not counted lost; one that never started is, and its
+    shards are launched again when the orchestrator sees it Cancelled."""
+    if run.run_id in ledger.cancelled or run.run_id in ledger.abandoned:
         return
-    ledger.cancelled.add(run.run_id)
+    (ledger.cancelled if redundant else ledger.abandoned).add(run.run_id)
     state = client.read_flow_run(run.run_id).state
     if state is None or state.is_final():
         return
     # A run not yet on a machine has nothing to stop; a running one is stopped by its worker.
-    new_state = Cancelling(message=f"redundant: {reason}") if state.is_running() else \
-        Cancelled(message=f"redundant: {reason}")
+    message = f"{'redundant' if redundant else 'abandoned'}: {reason}"
+    new_state = Cancelling(message=message) if state.is_running() else Cancelled(message=message)
     client.set_flow_run_state(run.run_id, new_state, force=True)
     get_run_logger().info("cancelling %s: %s", run.name, reason)
 

@@ -91,9 +91,10 @@ def test_rounds_are_bounded_and_what_is_left_is_reported():
 
 def test_a_shard_a_live_copy_still_holds_is_not_launched_a_third_time():
     ledger = _ledger(straggler_seconds=10.0)
-    first, _ = _launch_all(ledger)
-    ledger.seen_running(first, 0.0)
-    [straggler] = [r for r in ledger.stragglers(11.0) if r.run_id == first]
+    first, second = _launch_all(ledger)
+    ledger.seen_working(first, 0.0)
+    ledger.seen_running(second, 0.0)  # running, but still waiting for a GPU slot: queued, not late
+    [straggler] = ledger.stragglers(11.0)
     copy = ledger.speculative_copy(straggler)
     assert copy.speculative and copy.round == 1 and copy.shard_ids == list(reversed(straggler.shard_ids))
     ledger.launched(copy, "copy", "w0-copy", 11.0)
@@ -105,7 +106,7 @@ def test_straggler_deadline_follows_the_finished_runs_when_not_set():
     ledger = DispatchLedger({f"s{i}": 1.0 for i in range(3)}, workers=3, straggler_factor=2.0)
     runs = _launch_all(ledger)
     for run_id in runs:
-        ledger.seen_running(run_id, 0.0)
+        ledger.seen_working(run_id, 0.0)
     assert ledger.straggler_deadline() is None and ledger.stragglers(1000.0) == []
     ledger.mark_finished(ledger.runs[runs[0]].shard_ids)
     ledger.run_ended(runs[0], "COMPLETED", 30.0)
@@ -117,7 +118,7 @@ def test_straggler_deadline_follows_the_finished_runs_when_not_set():
 def test_a_run_whose_shards_all_finished_elsewhere_is_redundant_and_not_counted_lost():
     ledger = _ledger(straggler_seconds=1.0)
     first, second = _launch_all(ledger)
-    ledger.seen_running(first, 0.0)
+    ledger.seen_working(first, 0.0)
     copy = ledger.speculative_copy(ledger.runs[first])
     ledger.launched(copy, "copy", "w0-copy", 2.0)
     ledger.mark_finished(copy.shard_ids)
@@ -178,3 +179,16 @@ def test_workers_read_the_orchestrators_shard_list_and_unknown_ids_are_named(tmp
     assert picked == [shards[2], shards[0]]
     with pytest.raises(ConfigError, match="not-a-shard"):
         select_shards(shards, ["not-a-shard"], uri)
+
+
+def test_a_run_no_worker_picks_up_is_abandoned_counted_lost_and_its_shards_go_to_the_next_round():
+    ledger = _ledger(start_timeout=60.0)
+    first, second = _launch_all(ledger, now=0.0)
+    ledger.seen_running(second, 5.0)
+    assert ledger.never_started(59.0) == []
+    assert [r.run_id for r in ledger.never_started(61.0)] == [first]
+    ledger.abandoned.add(first)
+    assert ledger.never_started(62.0) == []  # cancelled once
+    again = ledger.run_ended(first, "CANCELLED", 63.0, "abandoned: it never started")
+    assert again[0].shard_ids == ledger.runs[first].shard_ids and again[0].round == 2
+    assert fleet_metrics(ledger, [])["worker_runs_lost"] == 1

@@ -282,3 +282,25 @@ def test_a_straggler_gets_a_speculative_copy_and_nothing_is_written_twice(fleet,
     metrics = _mlflow_metrics(tmp_path, "straggle")
     assert metrics["speculative_copies"] >= 1 and metrics["dispatch_rounds"] == 1
     assert metrics["worker_runs_lost"] == 0
+
+
+def test_the_global_concurrency_limit_caps_gpu_workers_at_once(fleet, deployed, tmp_path):
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    ids = _corpus(tmp_path / "in", files=1, rows=600)  # 4 shards in two lists, but one slot
+    with fleet.client() as client:
+        parent = client.create_flow_run_from_deployment(
+            deployed.id, parameters={"spec": _job(tmp_path, "cap", concurrency_slots=1)})
+        final = _wait_for(client, parent.id, 420, fleet)
+        assert final.state.is_completed(), f"{final.state}\n{fleet.logs()}"
+        spans = []
+        for run in _worker_runs(client, parent.id):
+            tasks = client.read_task_runs(task_run_filter=TaskRunFilter(
+                flow_run_id=TaskRunFilterFlowRunId(any_=[run.id])))
+            shard_tasks = [t for t in tasks if t.name.startswith("shard ")]
+            spans.append((min(t.start_time for t in shard_tasks), max(t.end_time for t in shard_tasks)))
+        assert client.read_global_concurrency_limit_by_name("gpu-cap").limit == 1
+    assert len(spans) == 2
+    (first_start, first_end), (second_start, second_end) = sorted(spans)
+    assert first_end <= second_start, f"two workers ran shards at once under a 1-slot limit: {spans}"
+    assert sorted(_ids_written(tmp_path / "out")) == sorted(ids)

@@ -50,6 +50,7 @@ class WorkerRun:
     speculative: bool = False
     launched_at: float = 0.0
     started_at: float | None = None  # when it was first seen Running
+    working_at: float | None = None  # when its first shard began: it holds a GPU slot
     ended_at: float | None = None
     state: str = "SCHEDULED"
     message: str = ""
@@ -77,11 +78,13 @@ class DispatchLedger:
     max_rounds: int = 3
     straggler_seconds: float | None = None
     straggler_factor: float = 1.5
+    start_timeout: float | None = None
     runs: dict[str, WorkerRun] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
     copied: set[str] = field(default_factory=set)  # shards already given a speculative copy
     given_up: set[str] = field(default_factory=set)
     cancelled: set[str] = field(default_factory=set)  # runs stopped because others did their work
+    abandoned: set[str] = field(default_factory=set)  # runs stopped because they never started
 
     def first_launches(self) -> list[Launch]:
         return [Launch(work, round=1) for work in balance_by_tokens(self.weights, self.workers)]
@@ -102,6 +105,12 @@ class DispatchLedger:
         if run.started_at is None:
             run.started_at = now
 
+    def seen_working(self, run_id: str, now: float) -> None:
+        run = self.runs[run_id]
+        self.seen_running(run_id, now)
+        if run.working_at is None:
+            run.working_at = now
+
     def run_ended(self, run_id: str, state: str, now: float, message: str = "") -> list[Launch]:
         """Record a run's end (after `mark_finished` with what it persisted). A run that did not
         complete has its unfinished shards launched again, unless a live run still covers them
@@ -121,18 +130,28 @@ class DispatchLedger:
     def straggler_deadline(self) -> float | None:
         if self.straggler_seconds is not None:
             return self.straggler_seconds
-        done = [r.ended_at - r.started_at for r in self.runs.values()
+        done = [r.ended_at - (r.working_at if r.working_at is not None else r.started_at)
+                for r in self.runs.values()
                 if r.state == "COMPLETED" and r.ended_at is not None and r.started_at is not None]
         return self.straggler_factor * statistics.median(done) if done else None
 
     def stragglers(self, now: float) -> list[WorkerRun]:
-        """Live, started runs past the deadline that still hold uncopied, unfinished shards."""
+        """Live runs working on shards for longer than the deadline that still hold uncopied,
+        unfinished shards. The clock starts at the first shard, not at Running: time spent
+        waiting for a GPU slot under the concurrency cap is queueing, not straggling."""
         deadline = self.straggler_deadline()
         if deadline is None:
             return []
         return [r for r in self.runs.values()
-                if r.live and r.started_at is not None and now - r.started_at > deadline and not r.speculative
+                if r.live and r.working_at is not None and now - r.working_at > deadline and not r.speculative
                 and any(s not in self.copied for s in self.unfinished(r))]
+
+    def never_started(self, now: float) -> list[WorkerRun]:
+        """Live runs still waiting for a machine past the start timeout."""
+        if self.start_timeout is None:
+            return []
+        return [r for r in self.runs.values() if r.live and r.started_at is None
+                and now - r.launched_at > self.start_timeout and r.run_id not in self.abandoned]
 
     def speculative_copy(self, run: WorkerRun) -> Launch | None:
         """The straggler's unfinished shards, in reverse: the copy starts where the original

@@ -161,6 +161,9 @@ class FleetSpec(_Spec):
         8, ge=1, description="The limit's size, used only when the limit does not exist yet.")
     slot_lease_seconds: float = Field(
         300, ge=60, description="A slot of a worker that vanished (SIGKILL, lost node) frees after this long.")
+    start_timeout_seconds: float | None = Field(
+        3600, gt=0, description="A worker run not started this long after its launch (no worker, no capacity) "
+        "is cancelled and counts as lost: its shards go to the next round. Empty: wait for ever.")
     poll_seconds: float = Field(5.0, gt=0, description="How often the orchestrator reads its worker runs' states.")
     job_variables: dict[str, Any] = Field(
         default_factory=dict, description="Work-pool job variables for the worker runs (image, env, ...).")
