@@ -273,7 +273,7 @@ def test_a_straggler_gets_a_speculative_copy_and_nothing_is_written_twice(fleet,
     ids = _corpus(tmp_path / "in", files=1, rows=600)  # 4 shards, all on one worker run
     with fleet.client() as client:
         parent = client.create_flow_run_from_deployment(
-            deployed.id, parameters={"spec": _job(tmp_path, "straggle", workers=1, straggler_seconds=8)})
+            deployed.id, parameters={"spec": _job(tmp_path, "straggle", workers=1, straggler_seconds=4)})
         final = _wait_for(client, parent.id, 420, fleet)
         assert final.state.is_completed(), f"{final.state}\n{fleet.logs()}"
         runs = _worker_runs(client, parent.id)
@@ -290,7 +290,7 @@ def test_the_global_concurrency_limit_caps_gpu_workers_at_once(fleet, deployed, 
     ids = _corpus(tmp_path / "in", files=1, rows=600)  # 4 shards in two lists, but one slot
     with fleet.client() as client:
         parent = client.create_flow_run_from_deployment(
-            deployed.id, parameters={"spec": _job(tmp_path, "cap", concurrency_slots=1)})
+            deployed.id, parameters={"spec": _job(tmp_path, "cap", concurrency_slots=1, straggler_seconds=3600)})
         final = _wait_for(client, parent.id, 420, fleet)
         assert final.state.is_completed(), f"{final.state}\n{fleet.logs()}"
         spans = []
