@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.runtime import flow_run as runtime_flow_run
 from prefect.cache_policies import NONE, CachePolicy
 from prefect.filesystems import WritableFileSystem
+from prefect.runtime import flow_run as runtime_flow_run
 from prefect.tasks import exponential_backoff
 
 from tasks.logs import with_core_logs

@@ -9,11 +9,14 @@ write the same file and the first to finish wins.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import json
 import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from tokenmill.errors import ConfigError
 from tokenmill.shards import ShardSpec
 
 # What a billion-row corpus cannot do without: a token estimate before tokenizing.
@@ -119,7 +122,8 @@ class DispatchLedger:
         run.ended_at, run.state, run.message = now, state, message
         if run.started_at is None:
             run.started_at = now
-        left = [s for s in self.unfinished(run) if not self._covered(s)]
+        covered = {s for r in self.live_runs for s in r.shard_ids}
+        left = [s for s in self.unfinished(run) if s not in covered]
         if not left:
             return []
         if run.round >= self.max_rounds:
@@ -185,9 +189,6 @@ class DispatchLedger:
     def missing(self) -> list[str]:
         return sorted(set(self.weights) - self.finished)
 
-    def _covered(self, shard_id: str) -> bool:
-        return any(r.live and shard_id in r.shard_ids for r in self.runs.values())
-
 
 def describe_runs(runs: Sequence[WorkerRun]) -> str:
     return "; ".join(f"{r.name} (round {r.round}{', copy' if r.speculative else ''}): {r.state}"
@@ -197,9 +198,6 @@ def describe_runs(runs: Sequence[WorkerRun]) -> str:
 def write_shard_list(store, shards: Sequence[ShardSpec]) -> str:
     """The orchestrator's view of the shards, for its workers to read instead of listing the
     corpus again. Named by its content, so concurrent jobs never overwrite each other's."""
-    import hashlib
-    import json
-
     payload = [s.model_dump(mode="json") for s in shards]
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
     path = store.path(f"_state/shards-{digest}.json")
@@ -213,8 +211,6 @@ def read_shard_list(store, uri: str) -> list[ShardSpec]:
 
 def select_shards(shards: Sequence[ShardSpec], shard_ids: Sequence[str], source: str) -> list[ShardSpec]:
     """The shards named, in the order named; an unknown id is an error that lists them."""
-    from tokenmill.errors import ConfigError
-
     by_id = {s.shard_id: s for s in shards}
     unknown = [s for s in shard_ids if s not in by_id]
     if unknown:
@@ -225,9 +221,13 @@ def select_shards(shards: Sequence[ShardSpec], shard_ids: Sequence[str], source:
 
 def worker_rows(runs: Sequence[WorkerRun], results: Sequence, dispatched: set[str]) -> list[dict]:
     """Per worker run: its fate, and the throughput of the shards whose persisted result it wrote."""
+    by_worker: dict[str, list] = {}
+    for result in results:
+        if result.shard_id in dispatched:
+            by_worker.setdefault(result.worker, []).append(result)
     rows = []
     for run in runs:
-        mine = [r for r in results if r.shard_id in dispatched and r.worker == run.name]
+        mine = by_worker.get(run.name, [])
         tokens = sum(r.input_tokens + r.output_tokens for r in mine)
         seconds = sum(r.seconds for r in mine)
         rows.append({

@@ -170,14 +170,15 @@ def _parquet_pieces(fs, path: str, uri: str, max_rows: int) -> list[tuple[int, i
         offset += group_rows
     if groups:
         pieces.append((start, start + rows, tuple(groups)))
-    return [(start, end, groups, _piece_bytes(metadata, start, end, groups)) for start, end, groups in pieces]
-
-
-def _piece_bytes(metadata, start: int, end: int, groups: tuple[int, ...]) -> int:
-    """The row groups' uncompressed size, pro rata where a piece cuts a group."""
     offsets = [0]
     for index in range(metadata.num_row_groups):
         offsets.append(offsets[-1] + metadata.row_group(index).num_rows)
+    return [(start, end, groups, _piece_bytes(metadata, offsets, start, end, groups)) for start, end, groups in pieces]
+
+
+def _piece_bytes(metadata, offsets: list[int], start: int, end: int, groups: tuple[int, ...]) -> int:
+    """The row groups' uncompressed size, pro rata where a piece cuts a group (offsets[i]:
+    the first row of group i)."""
     total = 0.0
     for index in groups:
         group = metadata.row_group(index)
