@@ -47,3 +47,15 @@ bench: $(STAMP)
 
 clean:
 	rm -rf output mlflow.db mlruns
+
+# GPU figures (bench/README.md). Here, once, with PyPI: `make gpu-kit` builds the ignored .gpukit/. On the lent GPU
+# machine, with no venv and no network: `make bench-gpu` (its system python3, the carried wheels and models).
+GPU_PYTHON ?= python3
+GPU_ARGS ?=
+.PHONY: gpu-kit bench-gpu
+
+gpu-kit: $(STAMP)
+	$(BIN)/python -m bench.gpu_kit
+
+bench-gpu:
+	$(GPU_PYTHON) bench/gpu.py $(GPU_ARGS)
