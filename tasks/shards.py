@@ -19,7 +19,7 @@ from tokenmill.audit import reject_cross_shard_duplicates
 from tokenmill.dispatch import read_shard_list, write_shard_list
 from tokenmill.errors import InputError
 from tokenmill.manifest import build_manifest
-from tokenmill.outputs import MANIFEST, STATE_DIR, OutputStore
+from tokenmill.outputs import MANIFEST, STATE_DIR, OutputStore, move_stale_outputs, remove_leftover_temporaries
 from tokenmill.runner import ShardResult, run_shard, shard_cache_key
 from tokenmill.shards import ShardSpec, discover_shards
 from tokenmill.spec import JobSpec
@@ -113,9 +113,21 @@ def state_storage(spec: JobSpec) -> Path | WritableFileSystem:
 
 
 @task(name="write-manifest", retries=2, retry_delay_seconds=[1, 5], cache_policy=NONE)
+@with_core_logs
 def write_manifest_task(spec: JobSpec, results: list[ShardResult], shards_total: int, final: bool = True) -> str:
+    """final: the end of the run. Before the manifest says so, the output root is made to
+    hold only this run's files: temporaries of killed writes removed, files of shards that
+    are not this run's moved under _stale/."""
     spec = with_storage_secrets(spec)
     store = OutputStore(spec.output, spec.storage_options)
+    if final:
+        remove_leftover_temporaries(store)
+        shard_ids = {r.shard_id for r in results}
+        if len(shard_ids) == shards_total:
+            move_stale_outputs(store, shard_ids, keep=[r.uri for r in results])
+        else:  # without every shard's id, an unfinished shard's earlier output would look stale
+            get_run_logger().warning("%d of %d shards finished: files of other shards stay where they are",
+                                     len(shard_ids), shards_total)
     path = store.path(MANIFEST)
     store.write_json(path, build_manifest(spec, results, shards_total, final))
     return path

@@ -3,23 +3,41 @@
 Layout under the output root:
     <shard_id>.parquet          results, in the shard's input order
     _rejects/<shard_id>.parquet refused rows with their reason
+    _rejects/<shard_id>.duplicates.parquet
+                                rows whose id an earlier shard has (see tokenmill.audit)
     _shards/<shard_id>.json     one record per finished shard
     _manifest.json              every shard with its fingerprint, rows and tokens
     _state/                     Prefect's persisted shard results: what makes a re-run resume
-Readers such as pandas and pyarrow.dataset skip the _-prefixed entries.
+    _tmp/<writer>/              files being written (local disk only), one folder per process
+    _stale/                     files of shards that are no longer the job's, under their own names
+Directory readers see only this run's output rows: pyarrow.dataset and pandas skip every
+_-prefixed entry, and duckdb and polars read `<root>/*.parquet`, which does not descend
+(polars' own directory reading takes every file below, _rejects/ and _manifest.json too).
 
-Every file appears whole or not at all: locally it is written under a temporary
-name and renamed; on an object store it is one PUT, which is atomic.
+Every file appears whole or not at all: locally it is written under _tmp/ (the same
+filesystem, so the rename into place is atomic) and renamed; on an object store it is
+one PUT, which is atomic. A process killed mid-write leaves its file under _tmp/, where
+no reader looks; the end of the next run removes it once its writer is gone.
+
+The manifest is the truth: at the end of a run, outputs, rejects, records and cached
+results of shards outside the run's shard set (an earlier max_shard_rows, a removed input
+file) move to _stale/, so they are never read as part of the result nor reused.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import logging
 import os
 import posixpath
+import re
+import shutil
+import socket
+import time
 import uuid
-from typing import Any
+from typing import Any, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,6 +48,17 @@ MANIFEST = "_manifest.json"
 REJECTS_DIR = "_rejects"
 SHARDS_DIR = "_shards"
 STATE_DIR = "_state"
+TEMP_DIR = "_tmp"
+STALE_DIR = "_stale"
+
+# A temporary file this old is left over whoever wrote it: a write is one buffer already in
+# memory, done in seconds. Only files of writers on other machines wait this long.
+TEMP_MAX_AGE_SECONDS = 24 * 3600
+
+_OLD_TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{32}$")  # what earlier versions left beside the outputs
+_CACHE_KEY = re.compile(r"^(?P<shard_id>.+)-[0-9a-f]{32}$")  # tokenmill.runner.shard_cache_key
+
+log = logging.getLogger(__name__)
 
 REJECTS_SCHEMA = pa.schema(
     [
@@ -69,16 +98,21 @@ class OutputStore:
         retry_io(lambda: self._write_bytes(path, data), f"writing {path}")
 
     def _write_bytes(self, path: str, data: bytes) -> None:
-        if self.local:
-            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-            temporary = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(temporary, "wb") as handle:
+        if not self.local:
+            self.fs.pipe_file(path, data)
+            return
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        folder = self.path(TEMP_DIR, writer_name())
+        temporary = posixpath.join(folder, f"{uuid.uuid4().hex}.{posixpath.basename(path)}")
+        try:
+            with _create(temporary) as handle:
                 handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(temporary, path)
-        else:
-            self.fs.pipe_file(path, data)
+        except BaseException:
+            _remove_quietly(temporary)
+            raise
 
     def write_table(self, path: str, table: pa.Table) -> None:
         buffer = io.BytesIO()
@@ -109,6 +143,213 @@ class OutputStore:
             except FileNotFoundError:
                 pass
         retry_io(remove, f"deleting {path}")
+
+
+def writer_name() -> str:
+    """This process, as its folder under _tmp/ names it: host, PID namespace, PID and the
+    process's start time, so a clean-up on the same host can tell a live writer from one
+    that is gone, even when its PID has been given to a new process."""
+    return _writer_name(os.getpid())
+
+
+@functools.lru_cache(maxsize=4)
+def _writer_name(pid: int) -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+    _, started = _process_stat(pid) or ("", "0")
+    return f"{host}.{_pid_namespace()}.{pid}.{started}"
+
+
+def remove_leftover_temporaries(store: OutputStore, max_age_seconds: float = TEMP_MAX_AGE_SECONDS) -> list[str]:
+    """Remove what killed writes left, never a live writer's file; the paths removed.
+
+    A folder under _tmp/ goes whole when its writer ran on this host (same PID namespace)
+    and is gone; any other temporary file goes once it is older than max_age_seconds (its
+    writer on another machine, or in a container that shares no PID namespace with us).
+    Files an earlier version left beside the outputs (`*.tmp-<hex>`) go too: this version
+    never writes them. Object stores have nothing to clean: a PUT leaves no temporary file.
+    """
+    if not store.local:
+        return []
+    removed: list[str] = []
+    for folder in (store.root, store.path(REJECTS_DIR), store.path(SHARDS_DIR), store.path(STATE_DIR)):
+        for name in _names(folder):
+            path = posixpath.join(folder, name)
+            if _OLD_TEMPORARY.search(name) and os.path.isfile(path):
+                _remove_quietly(path)
+                removed.append(path)
+    here = _writer_name(os.getpid()).rsplit(".", 2)[0]
+    oldest = time.time() - max_age_seconds
+    temporaries = store.path(TEMP_DIR)
+    for writer in _names(temporaries):
+        folder = posixpath.join(temporaries, writer)
+        files = [posixpath.join(dirpath, name) for dirpath, _, names in os.walk(folder) for name in names]
+        if _writer_gone(writer, here):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += files
+            continue
+        for path in files:
+            if _modified(path) < oldest:
+                _remove_quietly(path)
+                removed.append(path)
+        if not _names(folder) and _modified(folder) < oldest:
+            try:
+                os.rmdir(folder)  # a writer that comes back makes it again (see _create)
+            except OSError:
+                pass
+    if removed:
+        log.warning("removed %d temporary files left by killed writes under %s: %s", len(removed), store.root,
+                    _some([posixpath.relpath(p, store.root) for p in removed]))
+    return sorted(removed)
+
+
+def move_stale_outputs(store: OutputStore, shard_ids: Iterable[str], keep: Iterable[str] = ()) -> list[str]:
+    """Move every file of a shard outside `shard_ids` under _stale/; the paths moved.
+
+    Looked at: the root's *.parquet (any of them, ours or not: a directory reader would
+    take it for output), _rejects/*.parquet (`<id>.duplicates.parquet` is shard <id>'s),
+    _shards/*.json and _state/<shard_id>-<key> (a cached result whose output is now stale
+    must not stand in for running the shard again). `keep`: paths never moved, such as
+    the job's own input files should they lie in the output root.
+    """
+    current = set(shard_ids)
+    kept = {_strip(store, path) if "://" in path else os.path.abspath(path) for path in keep}
+
+    def owner(folder: str, name: str) -> str | None:
+        if folder == "" and name.endswith(".parquet"):
+            return name[: -len(".parquet")]
+        if folder == REJECTS_DIR and name.endswith(".parquet"):
+            stem = name[: -len(".parquet")]
+            if stem.endswith(".duplicates") and stem not in current:
+                return stem[: -len(".duplicates")]
+            return stem
+        if folder == SHARDS_DIR and name.endswith(".json"):
+            return name[: -len(".json")]
+        match = _CACHE_KEY.match(name) if folder == STATE_DIR else None
+        return match.group("shard_id") if match else None
+
+    moved: list[str] = []
+    stale_shards: set[str] = set()
+    for folder in ("", REJECTS_DIR, SHARDS_DIR, STATE_DIR):
+        for path in _files(store, store.path(folder) if folder else store.root):
+            name = posixpath.basename(path)
+            shard_id = owner(folder, name)
+            if shard_id is None or shard_id in current or path in kept or _OLD_TEMPORARY.search(name):
+                continue
+            target = store.path(STALE_DIR, folder, name) if folder else store.path(STALE_DIR, name)
+            if _move(store, path, target):
+                moved.append(path)
+                stale_shards.add(shard_id)
+    if moved:
+        log.warning("moved %d files of %d shard(s) not among this run's %d to %s: %s", len(moved),
+                    len(stale_shards), len(current), store.path(STALE_DIR),
+                    _some([posixpath.relpath(p, store.root) for p in moved]))
+    return moved
+
+
+def _files(store: OutputStore, folder: str) -> list[str]:
+    """The files directly in a folder, fresh from the store (s3fs caches listings)."""
+    def listing() -> list[str]:
+        store.fs.invalidate_cache(folder)
+        try:
+            entries = store.fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(_strip(store, e["name"]) for e in entries if e.get("type") == "file")
+    return retry_io(listing, f"listing {folder}")
+
+
+def _move(store: OutputStore, source: str, target: str) -> bool:
+    def move() -> bool:
+        try:
+            if store.local:
+                os.makedirs(posixpath.dirname(target), exist_ok=True)
+                os.replace(source, target)
+            else:
+                store.fs.mv(source, target)  # copy, then delete: the file is never missing from both
+        except FileNotFoundError:
+            return False  # another run of the job moved it first
+        return True
+    return retry_io(move, f"moving {source} to {target}")
+
+
+def _strip(store: OutputStore, name: str) -> str:
+    return store.fs._strip_protocol(name) if "://" in name else name
+
+
+def _some(paths: list[str], shown: int = 10) -> str:
+    names = sorted(paths)
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _create(path: str):
+    """Open a new file for writing, making its folder first."""
+    folder = posixpath.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    try:
+        return open(path, "xb")
+    except FileNotFoundError:  # a clean-up took the folder, empty for a day, just now
+        os.makedirs(folder, exist_ok=True)
+        return open(path, "xb")
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _names(folder: str) -> list[str]:
+    try:
+        return sorted(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _modified(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return float("inf")  # gone already: nothing to remove
+
+
+def _writer_gone(writer: str, here: str) -> bool:
+    """Whether the process a _tmp/ folder names ran in this host's PID namespace and has ended."""
+    parts = writer.rsplit(".", 2)
+    if len(parts) != 3 or parts[0] != here or not parts[1].isdigit():
+        return False
+    pid, started = int(parts[1]), parts[2]
+    stat = _process_stat(pid)
+    if stat is not None:
+        state, now_started = stat
+        return state in ("Z", "X") or now_started != started  # a zombie, or another process on that PID
+    if os.path.isdir("/proc/self"):
+        return True  # /proc works here and has no such process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _process_stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time in clock ticks since boot) from /proc, or None where there is no such
+    process or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], fields[19]
+
+
+def _pid_namespace() -> str:
+    try:
+        return "".join(c for c in os.readlink("/proc/self/ns/pid") if c.isdigit()) or "0"
+    except OSError:
+        return "0"
 
 
 def rejects_table(shard_id: str, uri: str, rows: list[tuple[int, object, str]], by_byte_offset: bool) -> pa.Table:
