@@ -22,6 +22,7 @@ from tokenmill import progress
 from tokenmill.gate import candidate_model
 from tokenmill.runner import ShardResult
 from tokenmill.shards import ShardSpec
+from tokenmill.engines import engine_scope
 from tokenmill.spec import JobSpec
 from tokenmill.tracking import log_gate_run
 
@@ -29,43 +30,44 @@ from tokenmill.tracking import log_gate_run
 @flow(name="tokenmill-batch")
 def batch_flow(spec: JobSpec = JobSpec()) -> dict[str, Any]:
     """Embed or generate over a corpus of Parquet or JSONL files, shard by shard."""
-    logger = get_run_logger()
-    started = time.perf_counter()
-    gate_report = None
-    if spec.gate is not None:
-        gate_report = gate_flow(spec, record=False)
-        if gate_report.action == "fail":
-            log_gate_run(spec, gate_report)
-            raise GateFailed(gate_report.message())
-        chosen = candidate_model(spec) if gate_report.action == "candidate" else spec.gate.reference
-        if gate_report.action == "reference":
-            logger.warning("the candidate failed the gate; running the corpus with the reference %s",
-                           gate_report.reference.model)
-        spec = spec.model_copy(update={"model": chosen})
-    shards = discover_shards_task(spec)
-    expected = [s.expected_rows for s in shards]
-    logger.info("%d shards from %s", len(shards), spec.input)
-    progress.emit("job_started", shards=len(shards), rows=None if None in expected else sum(expected))
-    progress_id = create_progress_artifact(0.0, key="tokenmill-progress", description="shards finished")
+    with engine_scope():  # engines this flow starts end with it
+        logger = get_run_logger()
+        started = time.perf_counter()
+        gate_report = None
+        if spec.gate is not None:
+            gate_report = gate_flow(spec, record=False)
+            if gate_report.action == "fail":
+                log_gate_run(spec, gate_report)
+                raise GateFailed(gate_report.message())
+            chosen = candidate_model(spec) if gate_report.action == "candidate" else spec.gate.reference
+            if gate_report.action == "reference":
+                logger.warning("the candidate failed the gate; running the corpus with the reference %s",
+                               gate_report.reference.model)
+            spec = spec.model_copy(update={"model": chosen})
+        shards = discover_shards_task(spec)
+        expected = [s.expected_rows for s in shards]
+        logger.info("%d shards from %s", len(shards), spec.input)
+        progress.emit("job_started", shards=len(shards), rows=None if None in expected else sum(expected))
+        progress_id = create_progress_artifact(0.0, key="tokenmill-progress", description="shards finished")
 
-    fleet = None
-    if spec.dispatch == "pool":
-        fleet = dispatch_to_pool(spec, shards, state_storage(spec))
-        results, cached = fleet.results, fleet.cached
-        for result in results:
-            progress.emit("shard_done", shard_id=result.shard_id, result=result, cached=result.shard_id in cached)
-        write_manifest_task(spec, results, len(shards), final=False)
-        update_progress_artifact(progress_id, 100.0)
-    else:
-        results, cached = _run_here(spec, shards, progress_id)
+        fleet = None
+        if spec.dispatch == "pool":
+            fleet = dispatch_to_pool(spec, shards, state_storage(spec))
+            results, cached = fleet.results, fleet.cached
+            for result in results:
+                progress.emit("shard_done", shard_id=result.shard_id, result=result, cached=result.shard_id in cached)
+            write_manifest_task(spec, results, len(shards), final=False)
+            update_progress_artifact(progress_id, 100.0)
+        else:
+            results, cached = _run_here(spec, shards, progress_id)
 
-    results = reject_duplicates_task(spec, shards, results)
-    write_manifest_task(spec, results, len(shards))
-    record = record_run_task(spec, results, time.perf_counter() - started, cached, gate_report=gate_report,
-                             fleet_metrics=fleet.metrics if fleet else None,
-                             fleet_workers=fleet.workers if fleet else None)
-    logger.info("\n%s", record["summary"])
-    return record
+        results = reject_duplicates_task(spec, shards, results)
+        write_manifest_task(spec, results, len(shards))
+        record = record_run_task(spec, results, time.perf_counter() - started, cached, gate_report=gate_report,
+                                 fleet_metrics=fleet.metrics if fleet else None,
+                                 fleet_workers=fleet.workers if fleet else None)
+        logger.info("\n%s", record["summary"])
+        return record
 
 
 def _run_here(spec: JobSpec, shards: list[ShardSpec], progress_id) -> tuple[list[ShardResult], list[str]]:

@@ -12,6 +12,7 @@ from prefect.cache_policies import NONE
 
 from tasks.logs import with_core_logs
 from tasks.storage import with_storage_secrets
+from tokenmill.engines import engine_scope
 from tokenmill.calibrate import DEFAULT_BATCH_SIZES, Calibration, calibrate, plot_calibration
 from tokenmill.planning import CorpusEstimate, estimate_corpus, make_plan, plan_markdown, plan_metrics
 from tokenmill.spec import JobSpec
@@ -24,7 +25,7 @@ def calibrate_task(spec: JobSpec, batch_sizes: list[int], sample_rows: int) -> C
     return calibrate(with_storage_secrets(spec), tuple(batch_sizes), sample_rows)
 
 
-@task(name="estimate-corpus", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
+@task(name="estimate-corpus", cache_policy=NONE)
 @with_core_logs
 def estimate_corpus_task(spec: JobSpec, sample_rows: int) -> CorpusEstimate:
     return estimate_corpus(with_storage_secrets(spec), sample_rows)
@@ -35,7 +36,8 @@ def calibrate_flow(spec: JobSpec, batch_sizes: list[int] = list(DEFAULT_BATCH_SI
                    out_dir: str = "calibration") -> dict[str, Any]:
     """Sweep batch sizes on a sample; write calibration.json, calibration.png and batching.yaml to out_dir."""
     logger = get_run_logger()
-    result = calibrate_task(spec, batch_sizes, sample_rows)
+    with engine_scope():  # the engine ends with the sweep
+        result = calibrate_task(spec, batch_sizes, sample_rows)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "calibration.json").write_text(result.model_dump_json(indent=2))

@@ -266,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        # The flows close their engines; this catches one a failing command left, so that no
+        # engine is torn down by the interpreter's exit (see VLLMEngine.close).
+        from tokenmill.engines import close_engines
+
+        close_engines()
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process; keep this guard

@@ -6,6 +6,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from tasks.gate import gate_evaluate_task, gate_sample_task
+from tokenmill.engines import engine_scope
 from tokenmill.errors import TokenmillError
 from tokenmill.gate import GateReport
 from tokenmill.spec import JobSpec
@@ -20,13 +21,14 @@ class GateFailed(TokenmillError):
 def gate_flow(spec: JobSpec, record: bool = True) -> GateReport:
     """Candidate against reference on a deterministic sample. record=False leaves the MLflow
     record to the caller (the batch flow puts the gate's figures on the job's run)."""
-    logger = get_run_logger()
-    texts, source = gate_sample_task(spec)
-    report = gate_evaluate_task(spec, texts, source)
-    create_table_artifact(report.table(), key="tokenmill-gate", description=report.message())
-    (logger.info if report.passed else logger.warning)("%s", report.message())
-    if record:
-        log_gate_run(spec, report)
-    if report.action == "fail" and record:
-        raise GateFailed(report.message())
-    return report
+    with engine_scope():  # engines this flow starts end with it
+        logger = get_run_logger()
+        texts, source = gate_sample_task(spec)
+        report = gate_evaluate_task(spec, texts, source)
+        create_table_artifact(report.table(), key="tokenmill-gate", description=report.message())
+        (logger.info if report.passed else logger.warning)("%s", report.message())
+        if record:
+            log_gate_run(spec, report)
+        if report.action == "fail" and record:
+            raise GateFailed(report.message())
+        return report

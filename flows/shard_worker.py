@@ -15,6 +15,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run as runtime_flow_run
 
 from tasks.shards import discover_shards_task, load_shard_list_task, process_shard_task, state_storage
+from tokenmill.engines import engine_scope
 from tokenmill.dispatch import select_shards
 from tokenmill.errors import TokenmillError
 from tokenmill.spec import JobSpec
@@ -44,7 +45,9 @@ def shard_worker_flow(spec: JobSpec = JobSpec(), shard_ids: list[str] | None = N
 
     run_shard_task = process_shard_task.with_options(result_storage=state_storage(spec))
     done, cached, failed = [], [], {}
-    with concurrency(spec.fleet.concurrency_limit, occupy=1, lease_duration=spec.fleet.slot_lease_seconds):
+    # the engine ends with the slot: the next flow run on this worker may need the GPU
+    with concurrency(spec.fleet.concurrency_limit, occupy=1, lease_duration=spec.fleet.slot_lease_seconds), \
+            engine_scope():
         logger.info("holding a slot of concurrency limit %r", spec.fleet.concurrency_limit)
         for shard in work:
             state = run_shard_task(shard, spec, return_state=True)

@@ -11,7 +11,7 @@ from tokenmill.gate import GateReport, evaluate, sample_texts
 from tokenmill.spec import JobSpec
 
 
-@task(name="gate-sample", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
+@task(name="gate-sample", cache_policy=NONE)
 @with_core_logs
 def gate_sample_task(spec: JobSpec) -> tuple[list[str], str]:
     return sample_texts(with_storage_secrets(spec))

@@ -11,7 +11,6 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE, CachePolicy
 from prefect.filesystems import WritableFileSystem
 from prefect.runtime import flow_run as runtime_flow_run
-from prefect.tasks import exponential_backoff
 
 from tasks.logs import with_core_logs
 from tasks.storage import StateStorage, with_storage_secrets
@@ -23,10 +22,9 @@ from tokenmill.outputs import MANIFEST, STATE_DIR, OutputStore, move_stale_outpu
 from tokenmill.runner import ShardResult, run_shard, shard_cache_key
 from tokenmill.shards import ShardSpec, discover_shards
 from tokenmill.spec import JobSpec
-from tokenmill.storage import is_transient as is_transient_error
 
 
-@task(name="discover-shards", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
+@task(name="discover-shards", cache_policy=NONE)
 @with_core_logs
 def discover_shards_task(spec: JobSpec) -> list[ShardSpec]:
     spec = with_storage_secrets(spec)
@@ -47,14 +45,14 @@ def discover_shards_task(spec: JobSpec) -> list[ShardSpec]:
     return shards
 
 
-@task(name="load-shard-list", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
+@task(name="load-shard-list", cache_policy=NONE)
 @with_core_logs
 def load_shard_list_task(spec: JobSpec, uri: str) -> list[ShardSpec]:
     spec = with_storage_secrets(spec)
     return read_shard_list(OutputStore(spec.output, spec.storage_options), uri)
 
 
-@task(name="write-shard-list", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
+@task(name="write-shard-list", cache_policy=NONE)
 @with_core_logs
 def write_shard_list_task(spec: JobSpec, shards: list[ShardSpec]) -> str:
     spec = with_storage_secrets(spec)
@@ -69,25 +67,12 @@ class ShardCachePolicy(CachePolicy):
         return shard_cache_key(inputs["shard"], inputs["spec"])
 
 
-def is_transient(task, task_run, state) -> bool:
-    """Retry I/O hiccups (S3 5xx, throttling, resets); never a data or config error."""
-    try:
-        state.result()
-    except Exception as exc:
-        return is_transient_error(exc)
-    return False
-
-
 @task(
     name="process-shard",
     task_run_name="shard {shard.shard_id}",
     cache_policy=ShardCachePolicy(),
     persist_result=True,
     result_serializer="json",
-    retries=4,
-    retry_delay_seconds=exponential_backoff(backoff_factor=2),
-    retry_jitter_factor=0.5,
-    retry_condition_fn=is_transient,
 )
 @with_core_logs
 def process_shard_task(shard: ShardSpec, spec: JobSpec) -> ShardResult:
@@ -112,7 +97,7 @@ def state_storage(spec: JobSpec) -> Path | WritableFileSystem:
     return block
 
 
-@task(name="write-manifest", retries=2, retry_delay_seconds=[1, 5], cache_policy=NONE)
+@task(name="write-manifest", cache_policy=NONE)
 @with_core_logs
 def write_manifest_task(spec: JobSpec, results: list[ShardResult], shards_total: int, final: bool = True) -> str:
     """final: the end of the run. Before the manifest says so, the output root is made to
@@ -133,7 +118,7 @@ def write_manifest_task(spec: JobSpec, results: list[ShardResult], shards_total:
     return path
 
 
-@task(name="reject-cross-shard-duplicates", retries=2, retry_delay_seconds=[1, 5], cache_policy=NONE)
+@task(name="reject-cross-shard-duplicates", cache_policy=NONE)
 @with_core_logs
 def reject_duplicates_task(spec: JobSpec, shards: list[ShardSpec], results: list[ShardResult]) -> list[ShardResult]:
     return reject_cross_shard_duplicates(with_storage_secrets(spec), shards, results)

@@ -56,12 +56,14 @@ def embed_spec(tmp_path):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _close_engines_at_exit():
-    # vLLM's own atexit shutdown logs into streams pytest has already closed.
-    yield
-    from tokenmill.engines import close_engines
+def _engines_for_the_session():
+    # Flows close the engines they start when they end; tests hold one scope around the whole
+    # session so that the process starts one vLLM engine per model spec, not one per flow run.
+    # (tests/test_engine_lifecycle.py checks the flows' own closing in separate processes.)
+    from tokenmill.engines import engine_scope
 
-    close_engines()
+    with engine_scope():
+        yield
 
 
 @pytest.fixture

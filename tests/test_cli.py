@@ -5,9 +5,6 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
-import pytest
-
-from conftest import TEXTS, write_parquet
 
 
 def tokenmill(*args, cwd, timeout=600):
@@ -41,15 +38,3 @@ def test_sample_corpus_is_realistic(tmp_path):
     median, p99 = words[len(words) // 2], words[int(len(words) * 0.99)]
     assert median < 60 and p99 > 8 * median  # many short documents, a long tail
     assert len(set(texts)) > 0.75 * len(texts)
-
-
-@pytest.mark.engine
-def test_run_embeds_a_corpus_end_to_end(tmp_path):
-    write_parquet(tmp_path / "docs.parquet", [f"d{i}" for i in range(len(TEXTS))], TEXTS)
-    done = tokenmill("run", "--input", str(tmp_path / "docs.parquet"), "--output", str(tmp_path / "emb"),
-                     "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--no-progress",
-                     "--set", "model.engine_kwargs={gpu_memory_utilization: 0.1}", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"Rows:      {len(TEXTS)} in = {len(TEXTS)} out + 0 rejected" in done.stdout
-    assert "per 1M tokens" in done.stdout and "mlflow ui --backend-store-uri" in done.stdout
-    assert pq.read_table(tmp_path / "emb").num_rows == len(TEXTS)

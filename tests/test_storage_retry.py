@@ -91,3 +91,19 @@ def test_s3_faults_on_the_first_requests_are_retried_until_the_data_arrives(tmp_
     # re-opened by the HTTP client's pool before any error surfaces
     assert sum("injected SlowDown" in m for m in retries) == 2, retries
     assert sum("injected InternalError" in m for m in retries) == 2, retries
+
+
+def test_storage_io_has_one_retry_layer():
+    """retry_io is the one place storage I/O is retried (each retry logged with its cause); the
+    Prefect tasks around it add none, so a failing call is made IO_ATTEMPTS times, not 5 x 6."""
+    from prefect import Task
+
+    import flows.calibrate
+    import tasks.gate
+    import tasks.shards
+
+    storage_tasks = [obj for module in (tasks.shards, tasks.gate, flows.calibrate) for obj in vars(module).values()
+                     if isinstance(obj, Task)]
+    assert {t.name for t in storage_tasks} >= {"discover-shards", "process-shard", "write-manifest",
+                                                 "reject-cross-shard-duplicates", "gate-sample", "estimate-corpus"}
+    assert {t.name: t.retries for t in storage_tasks} == {t.name: 0 for t in storage_tasks}

@@ -8,10 +8,12 @@ many shards.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -21,6 +23,11 @@ log = logging.getLogger(__name__)
 
 # On CPU, vLLM's gpu_memory_utilization is the share of RAM given to the KV cache.
 CPU_MEMORY_SHARE = 0.3
+
+# Daemon threads vLLM's SyncMPClient starts beside the engine process
+# (vllm/v1/engine/core_client.py); close() waits for them.
+VLLM_CLIENT_THREADS = ("EngineCoreOutputQueueThread", "MPClientEngineMonitor")
+ENGINE_THREAD_JOIN_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,10 @@ class VLLMEngine:
         self.model_path = model_path
         self.engine_args = vllm_engine_args(model_path, spec)
         log.info("Starting vLLM: %s", self.engine_args)
+        before = set(threading.enumerate())
         self.llm = LLM(**self.engine_args)
+        self.client_threads = [t for t in threading.enumerate()
+                               if t not in before and t.name in VLLM_CLIENT_THREADS]
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -79,14 +89,29 @@ class VLLMEngine:
         ]
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
+        """Stop the engine process and wait for the client's threads to end.
+
+        Left to the interpreter's exit, the shutdown runs from a finalizer while Python is
+        tearing down: the client's daemon threads (the output socket poller, the process
+        monitor) wake up as the engine process dies, find the interpreter finalizing, and
+        are unwound out of libzmq's C++ frames, which aborts the process ("terminate called
+        without an active exception", exit 134) after a job that succeeded.
+        """
+        llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
+        client = llm.llm_engine.engine_core
         try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort; the process is going away anyway
+            client.shutdown()
+        except Exception:  # noqa: BLE001 - a dead engine may fail to shut down; its threads still end
             log.debug("vLLM shutdown raised", exc_info=True)
-        self.llm = None
+        for thread in self.client_threads:
+            thread.join(timeout=ENGINE_THREAD_JOIN_SECONDS)
+            if thread.is_alive():
+                log.warning("vLLM client thread %s still running %.0f s after shutdown", thread.name,
+                            ENGINE_THREAD_JOIN_SECONDS)
+        del llm, client
+        gc.collect()
 
 
 def vllm_engine_args(model_path: str, spec: JobSpec) -> dict[str, Any]:
@@ -110,16 +135,17 @@ def vllm_engine_args(model_path: str, spec: JobSpec) -> dict[str, Any]:
 
 
 _engines: dict[tuple, Engine] = {}
-_engines_lock = threading.Lock()
+_engines_lock = threading.RLock()
 
 
-def _engine_key(model_path: str, spec: JobSpec) -> tuple:
-    return (model_path, spec.mode, spec.model.model_dump_json(), spec.batching.max_batch_size)
+def engine_key(spec: JobSpec, model_path: str | None = None) -> tuple:
+    """What makes two jobs share one engine in a process."""
+    return (model_path or spec.model_name, spec.mode, spec.model.model_dump_json(), spec.batching.max_batch_size)
 
 
 def get_engine(model_path: str, spec: JobSpec) -> Engine:
     """The process's engine for this model spec and mode, started on first use."""
-    key = _engine_key(model_path, spec)
+    key = engine_key(spec, model_path)
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None:
@@ -139,7 +165,7 @@ def start_engine(model_path: str, spec: JobSpec) -> Engine:
 def discard_engine(model_path: str, spec: JobSpec) -> None:
     """Forget (and close what is left of) the engine, so the next get_engine starts a new one."""
     with _engines_lock:
-        engine = _engines.pop(_engine_key(model_path, spec), None)
+        engine = _engines.pop(engine_key(spec, model_path), None)
     if engine is not None:
         engine.close()
 
@@ -151,10 +177,43 @@ def engine_died(exc: BaseException) -> bool:
 
 
 def close_engines() -> None:
+    """Close every engine this process holds, and wait for their processes to end."""
     with _engines_lock:
-        for engine in _engines.values():
-            engine.close()
+        engines = list(_engines.values())
         _engines.clear()
+    for engine in engines:
+        engine.close()
+
+
+def open_engines() -> list[Engine]:
+    """The engines this process holds now."""
+    with _engines_lock:
+        return list(_engines.values())
+
+
+_scope_depth = 0
+
+
+@contextmanager
+def engine_scope() -> Iterator[None]:
+    """Engines started inside are closed when the outermost scope ends.
+
+    Every flow runs inside one, so a notebook or a long-lived worker gets its memory (and
+    on a GPU, the device) back when the flow ends, and nothing is left for the interpreter
+    to tear down at exit. A caller that runs several flows on one engine (a test module,
+    a benchmark) holds an outer scope around them; engines then live until it ends.
+    """
+    global _scope_depth
+    with _engines_lock:
+        _scope_depth += 1
+    try:
+        yield
+    finally:
+        with _engines_lock:
+            _scope_depth -= 1
+            outermost = _scope_depth == 0
+        if outermost:
+            close_engines()
 
 
 def describe_engine(spec: JobSpec | None = None) -> tuple[str, str]:

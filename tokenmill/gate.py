@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.economics import RunCost
-from tokenmill.engines import Engine, get_engine
+from tokenmill.engines import Engine, discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
 from tokenmill.models import resolve_model
 from tokenmill.runner import encode_rows, run_batches
@@ -152,6 +152,11 @@ def evaluate(spec: JobSpec, texts: list[str], source: str) -> GateReport:
         reference_job = reference_job.model_copy(update={"generation": greedy})
         candidate_job = candidate_job.model_copy(update={"generation": greedy})
     reference = run_sample(reference_job, texts)
+    # On one GPU the candidate may not fit beside the reference: the reference's engine goes
+    # before the candidate's starts (unless they are one engine). The candidate's stays: it
+    # is the engine that runs the corpus when the gate passes.
+    if engine_key(reference_job) != engine_key(candidate_job):
+        discard_engine(resolve_model(reference_job.model_name), reference_job)
     candidate = run_sample(candidate_job, texts)
     if spec.mode == "embed":
         values = embedding_agreement(np.stack(reference.outputs), np.stack(candidate.outputs))

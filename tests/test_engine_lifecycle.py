@@ -1,0 +1,160 @@
+"""Engines end with the flow that started them, and every command exits 0 after success.
+
+These run as separate processes, as a user runs them: the failure they guard against
+(vLLM torn down by the interpreter's exit, aborting a job that had succeeded with exit
+134) only shows in a process that ends.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import TEXTS, write_parquet
+from tokenmill.engines import open_engines
+
+SMALL_VLLM = "model.engine_kwargs={gpu_memory_utilization: 0.1}"
+
+
+def environment(cwd):
+    return dict(os.environ, PREFECT_HOME=str(cwd / ".prefect"), PYTHONUNBUFFERED="1")
+
+
+def tokenmill(*args, cwd, timeout=900):
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=environment(cwd),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_clean_exit(done, what):
+    tail = (done.stdout[-1500:] + "\n" + done.stderr[-3000:])
+    assert done.returncode == 0, f"{what}: exit {done.returncode}\n{tail}"
+    assert "terminate called" not in done.stderr, f"{what}: {tail}"
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_parquet(tmp_path / "docs.parquet", [f"d{i}" for i in range(len(TEXTS))], TEXTS)
+
+
+@pytest.mark.engine
+def test_the_flow_closes_its_vllm_engine_when_it_ends(tmp_path, corpus):
+    """After batch_flow returns, no engine, no engine process and no vLLM client thread is left."""
+    script = textwrap.dedent(f"""
+        import json, threading
+        import psutil
+        from flows.batch import batch_flow
+        from tokenmill.engines import VLLM_CLIENT_THREADS, open_engines
+        from tokenmill.spec import JobSpec
+
+        if __name__ == "__main__":
+            spec = JobSpec.model_validate({{
+                "input": {str(corpus)!r}, "output": {str(tmp_path / "out")!r},
+                "model": {{"engine_kwargs": {{"gpu_memory_utilization": 0.1}}}},
+                "tracking": {{"mlflow_tracking_uri": "sqlite:///{tmp_path}/mlflow.db"}}}})
+            seen = {{}}
+            import tokenmill.engines as engines
+            real_start = engines.start_engine
+            def start_and_note(model_path, job):
+                engine = real_start(model_path, job)
+                # vLLM names its processes (setproctitle): VLLM::EngineCore, VLLM::Worker
+                seen["children"] = [p.pid for p in psutil.Process().children(recursive=True)
+                                    if "VLLM" in " ".join(p.cmdline()) + p.name()]
+                return engine
+            engines.start_engine = start_and_note
+            record = batch_flow(spec)
+            alive = [p for p in seen.get("children", []) if psutil.pid_exists(p)
+                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            print("RESULT " + json.dumps({{
+                "rows_out": record["metrics"]["rows_out"],
+                "engines": len(open_engines()),
+                "engine_processes_seen": len(seen.get("children", [])),
+                "engine_processes_alive": alive,
+                "client_threads": [t.name for t in threading.enumerate() if t.name in VLLM_CLIENT_THREADS],
+            }}))
+    """)
+    (tmp_path / "flow_then_inspect.py").write_text(script)
+    done = subprocess.run([sys.executable, "flow_then_inspect.py"], cwd=tmp_path, env=environment(tmp_path),
+                          capture_output=True, text=True, timeout=900)
+    assert_clean_exit(done, "batch_flow in a script")
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["rows_out"] == len(TEXTS)
+    assert result["engine_processes_seen"] >= 1  # vLLM did start its engine process
+    assert result == {**result, "engines": 0, "engine_processes_alive": [], "client_threads": []}
+
+
+@pytest.mark.engine
+def test_cli_run_embed_exits_0_every_time(tmp_path, corpus):
+    # The abort at exit was intermittent (exit 0, 134, 134 in three runs): run it several times.
+    for attempt in range(3):
+        out = tmp_path / f"emb-{attempt}"
+        done = tokenmill("run", "--input", str(corpus), "--output", str(out), "--no-progress",
+                         "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--set", SMALL_VLLM, cwd=tmp_path)
+        assert_clean_exit(done, f"tokenmill run (embed), attempt {attempt + 1}")
+        assert f"Rows:      {len(TEXTS)} in = {len(TEXTS)} out + 0 rejected" in done.stdout
+
+
+@pytest.mark.engine
+def test_cli_run_generate_exits_0(tmp_path, corpus):
+    done = tokenmill("run", "--mode", "generate", "--input", str(corpus), "--output", str(tmp_path / "gen"),
+                     "--max-tokens", "8", "--no-progress", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db",
+                     "--set", "model.engine_kwargs={gpu_memory_utilization: 0.3, max_model_len: 1024}", cwd=tmp_path)
+    assert_clean_exit(done, "tokenmill run (generate)")
+    assert f"Rows:      {len(TEXTS)} in = {len(TEXTS)} out + 0 rejected" in done.stdout
+
+
+@pytest.mark.engine
+def test_cli_gate_exits_0(tmp_path, corpus):
+    job = tmp_path / "job.yaml"
+    job.write_text(textwrap.dedent(f"""
+        input: {corpus}
+        output: {tmp_path / 'gated'}
+        model: {{name: all-MiniLM-L6-v2, engine: transformers}}
+        tracking: {{mlflow_tracking_uri: "sqlite:///{tmp_path}/mlflow.db"}}
+        gate:
+          reference: {{name: all-MiniLM-L6-v2, engine_kwargs: {{gpu_memory_utilization: 0.1}}}}
+          sample_rows: 8
+    """))
+    done = tokenmill("gate", "--config", str(job), cwd=tmp_path)
+    assert_clean_exit(done, "tokenmill gate")
+    assert "cosine_mean" in done.stdout
+
+
+@pytest.mark.engine
+def test_cli_calibrate_exits_0(tmp_path, corpus):
+    done = tokenmill("calibrate", "--input", str(corpus), "--output", str(tmp_path / "cal-out"),
+                     "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--set", SMALL_VLLM,
+                     "--sizes", "1,2,4", "--sample-rows", "8", "--out", str(tmp_path / "cal"), cwd=tmp_path)
+    assert_clean_exit(done, "tokenmill calibrate")
+    assert (tmp_path / "cal" / "calibration.json").exists()
+
+
+def test_the_gate_never_holds_reference_and_candidate_engines_at_once(tmp_path, corpus, monkeypatch):
+    """On one GPU the second model may not fit: the reference's engine is closed before the candidate's starts."""
+    import tokenmill.engines as engines
+    from tokenmill.gate import evaluate
+    from tokenmill.models import resolve_model
+    from tokenmill.spec import JobSpec
+
+    held_at_start = []
+    real_start = engines.start_engine
+
+    def start_and_count(model_path, job):
+        held_at_start.append(len(open_engines()))
+        return real_start(model_path, job)
+
+    monkeypatch.setattr(engines, "start_engine", start_and_count)
+    spec = JobSpec.model_validate({
+        "input": str(corpus), "output": str(tmp_path / "o"),
+        "model": {"name": "all-MiniLM-L6-v2", "engine": "transformers", "dtype": "bfloat16"},
+        "gate": {"reference": {"name": "all-MiniLM-L6-v2", "engine": "transformers"}, "sample_rows": 8},
+    })
+    before = len(open_engines())
+    report = evaluate(spec, TEXTS, "test")
+    assert held_at_start == [before, before]  # the candidate started with the reference already gone
+    assert len(open_engines()) == before + 1  # the candidate stays: it runs the corpus if it passed
+    assert report.metrics
+    engines.discard_engine(resolve_model(spec.model_name), spec)
