@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +58,36 @@ def test_deployments_share_their_settings_through_anchors():
     for deployment in by_name.values():
         module, function = deployment["entrypoint"].split(":")
         assert f"def {function}(" in (REPO / module).read_text()
+
+
+def test_the_on_demand_deployment_asks_for_input_and_output(monkeypatch):
+    """The UI's run form starts from the deployment's stored parameters, and the server validates a
+    run's parameters against the flow's schema (what `prefect deploy` stores). No path may default
+    to the demo corpus, which a worker image does not have."""
+    from prefect.flows import load_flow_from_entrypoint
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import ValidationError, validate
+
+    from tokenmill.spec import DEFAULT_INPUT, DEFAULT_OUTPUT, JobSpec
+
+    config = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    by_name = {d["name"]: d for d in config["deployments"]}
+    monkeypatch.chdir(REPO)  # as `prefect deploy` loads it
+    schema = parameter_schema(load_flow_from_entrypoint(by_name["on-demand"]["entrypoint"])).model_dump(
+        exclude_unset=True)
+    stored = by_name["on-demand"]["parameters"]
+    assert DEFAULT_INPUT not in json.dumps(stored) and DEFAULT_OUTPUT not in json.dumps(stored)
+    assert "default" not in schema["definitions"]["JobSpec"]["properties"]["input"]  # nothing to prefill
+    # an edit of the deployment is checked without `required`: the stored values pass
+    validate(stored, schema, raise_on_error=True, ignore_required=True)
+    for missing, given in (("input", "output"), ("output", "input")):
+        with pytest.raises(ValidationError, match=f"'{missing}' is a required property"):
+            validate({"spec": {**stored["spec"], given: "s3://corpus/x/"}}, schema, raise_on_error=True)
+    # the form's values once both are filled in: a run, and the job the flow gets
+    filled = {"spec": {**stored["spec"], "input": "s3://corpus/in/", "output": "s3://corpus/out/"}}
+    validate(filled, schema, raise_on_error=True)
+    assert JobSpec.model_validate(filled["spec"]).tracking.mlflow_tracking_uri == "http://mlflow:5000"
+    validate(by_name["nightly"]["parameters"], schema, raise_on_error=True)
 
 
 def test_the_worker_image_copies_what_exists_and_has_both_targets():

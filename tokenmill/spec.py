@@ -2,11 +2,15 @@
 
 `JobSpec` is what a user writes in YAML, what the CLI builds from flags, and what
 the Prefect UI renders as the batch flow's form. Every field has a default, so
-`JobSpec()` is the demo job: embed the sample corpus with all-MiniLM-L6-v2.
+`JobSpec()` is the demo job: embed the sample corpus with all-MiniLM-L6-v2. The form
+(the JSON schema) asks for input and output instead: a worker has no sample corpus.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,14 +22,55 @@ DEFAULT_GENERATE_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_INPUT = "data/sample-corpus"
 DEFAULT_OUTPUT = "output/sample-corpus"
 
+# dtypes both engines take, and the other names vLLM or torch users write for them
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+# What the form offers: vLLM's common quantization methods. Any other name the installed vLLM
+# knows is accepted too (the list changes with every vLLM release; see _vllm_quantizations).
+QUANTIZATIONS = ("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "gguf",
+                 "modelopt", "modelopt_fp4", "mxfp4", "experts_int8", "torchao")
+
 
 class _Spec(BaseModel):
     # Unknown keys in a job file are typos; fail loudly rather than ignore them.
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+def _vllm_quantizations() -> set[str]:
+    """The quantization methods of the installed vLLM. Read from its source, since importing vLLM
+    takes seconds (torch); live where vLLM is already imported, so methods registered at run time count."""
+    module = sys.modules.get("vllm.model_executor.layers.quantization")
+    if module is not None:
+        return set(module.QUANTIZATION_METHODS)
+    found = importlib.util.find_spec("vllm")  # a top-level name: found without being imported
+    if found is None or not found.submodule_search_locations:
+        return set()
+    source = Path(list(found.submodule_search_locations)[0], "model_executor", "layers", "quantization", "__init__.py")
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError):
+        return set()
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "QuantizationMethods" and node.value is not None:
+            return {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    return set()
+
+
+def _quantization_form(schema: dict[str, Any]) -> None:
+    # Three choices in the form: a known method from a list, any other name vLLM knows, or none.
+    # A plain enum would make the Prefect API refuse the methods it leaves out.
+    schema["anyOf"] = [
+        {"type": "string", "enum": list(QUANTIZATIONS), "title": "Common method"},
+        {"type": "string", "title": "Other vLLM method"},
+        {"type": "null", "title": "None"},
+    ]
+
+
 class ModelSpec(_Spec):
     """Which model to run, on which engine, and how to load it."""
+
+    model_config = ConfigDict(title="Model")
 
     name: str = Field(
         "",
@@ -36,12 +81,17 @@ class ModelSpec(_Spec):
         "vllm",
         description="vllm: the fast path. transformers: plain PyTorch, for machines where vLLM cannot run.",
     )
-    dtype: str = Field(
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description="Weights and activations dtype. 'auto' is float32 on CPU (bf16 is far "
-        "slower there) and the model's own dtype on GPU.",
+        "slower there) and the model's own dtype on GPU. half, fp16, bf16, float, fp32 are read as their full names.",
     )
-    quantization: str | None = Field(None, description="vLLM quantization method, e.g. 'fp8'.")
+    quantization: str | None = Field(
+        None,
+        description="vLLM quantization method: 'fp8' quantizes a 16-bit model's weights when it loads; awq, gptq, "
+        "compressed-tensors, ... read a checkpoint quantized that way. Empty: the weights as stored.",
+        json_schema_extra=_quantization_form,
+    )
     max_input_tokens: int | None = Field(
         None,
         ge=1,
@@ -54,19 +104,56 @@ class ModelSpec(_Spec):
         "from_pretrained(...) for the transformers engine.",
     )
 
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _known_dtype(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        name = value.strip().lower()
+        name = DTYPE_ALIASES.get(name, name)
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {value!r}; known: {', '.join(DTYPES)} "
+                             f"(or {', '.join(DTYPE_ALIASES)})")
+        return name
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _known_quantization(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        name = value.strip().lower()
+        if not name:
+            return None
+        if name not in QUANTIZATIONS and name not in _vllm_quantizations():
+            raise ValueError(f"unknown quantization {value!r}; known: {', '.join(QUANTIZATIONS)}, "
+                             "or any other method the installed vLLM lists")
+        return name
+
 
 class ChatMessage(_Spec):
-    role: Literal["system", "user", "assistant"] = "user"
-    content: str = "{text}"
+    """One message of the chat the model is asked to continue."""
+
+    model_config = ConfigDict(title="Chat message")
+
+    role: Literal["system", "user", "assistant"] = Field(
+        "user", description="Who says it: system (instructions), user (the request) or assistant (an example reply).")
+    content: str = Field(
+        "{text}", description="The message's text; {text} is replaced by the row's text (text_column).")
 
 
 class GenerationParams(_Spec):
     """Sampling and prompting for mode=generate. `{text}` marks where the row's text goes."""
 
-    max_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = 0
+    model_config = ConfigDict(title="Generation")
+
+    max_tokens: int = Field(128, ge=1, description="Most tokens generated per row (output tokens).")
+    temperature: float = Field(
+        0.0, ge=0.0, description="Sampling temperature; 0 is greedy: the same output for the same input.")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="Nucleus sampling: draw from the most likely tokens whose probabilities "
+        "add up to this share (0 to 1]; 1 keeps every token.")
+    seed: int | None = Field(
+        0, description="Random seed of sampling, so a rerun samples the same tokens. Empty: a fresh seed each run.")
     messages: list[ChatMessage] | None = Field(
         default_factory=lambda: [
             ChatMessage(role="user", content="Summarize the following text in one sentence.\n\n{text}")
@@ -78,6 +165,10 @@ class GenerationParams(_Spec):
 
 
 class BatchingSpec(_Spec):
+    """How rows are grouped into shards and batches: the levers of throughput and padding."""
+
+    model_config = ConfigDict(title="Batching")
+
     token_budget: int = Field(
         16384,
         ge=1,
@@ -108,25 +199,40 @@ class BatchingSpec(_Spec):
 class PricingSpec(_Spec):
     """What the hardware costs. Defaults are an illustrative single NVIDIA L4."""
 
-    usd_per_gpu_hour_spot: float = Field(0.30, ge=0.0)
-    usd_per_gpu_hour_on_demand: float = Field(0.80, ge=0.0)
-    gpu_count: int = Field(1, ge=1)
+    model_config = ConfigDict(title="Pricing")
+
+    usd_per_gpu_hour_spot: float = Field(
+        0.30, ge=0.0, description="US dollars per GPU-hour on spot (preemptible) capacity: the run's usd_spot.")
+    usd_per_gpu_hour_on_demand: float = Field(
+        0.80, ge=0.0, description="US dollars per GPU-hour on on-demand capacity: the run's usd_on_demand.")
+    gpu_count: int = Field(1, ge=1, description="GPUs the job holds while it runs: GPU-hours = wall hours x this.")
 
 
 class TrackingSpec(_Spec):
-    mlflow_tracking_uri: str = Field(
-        "sqlite:///mlflow.db", description="MLflow backend; a relative sqlite path is from the cwd."
-    )
-    experiment: str = "tokenmill"
-    run_name: str | None = None
+    """Where the job's MLflow run goes: one run per job, opened when the job starts."""
+
+    model_config = ConfigDict(title="Tracking (MLflow)")
+
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI (an MLflow server's http://..., or sqlite:///...; a relative "
+        "sqlite path is from the cwd). Empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
+    experiment: str = Field("tokenmill", description="MLflow experiment the run is filed under (created if missing).")
+    run_name: str | None = Field(None, description="Empty: the Prefect flow run's name.")
+    stale_run_seconds: float = Field(
+        600, gt=0, description="A RUNNING run of the same job from another machine whose heartbeat is this old "
+        "is closed as KILLED by the next run of the job (on this machine: as soon as its process is gone).")
 
 
 class GateSpec(_Spec):
     """The eval gate: the candidate runs the corpus only if it matches the reference on a sample."""
 
-    reference: ModelSpec = Field(description="The model whose outputs count as right.")
+    model_config = ConfigDict(title="Eval gate")
+
+    # pydantic leaves a title off a $ref; the form would show the definition's ("Model")
+    reference: ModelSpec = Field(description="The model whose outputs count as right.",
+                                 json_schema_extra={"title": "Reference model"})
     candidate: ModelSpec | None = Field(
-        None, description="The cheaper model (quantized, other dtype, smaller, other engine). "
+        None, title="Candidate model", description="The cheaper model (quantized, other dtype, smaller, other engine). "
         "Empty: the job's own model.")
     sample_rows: int = Field(256, ge=2, description="Rows in the deterministic sample (chosen by a hash of the id).")
     sample_seed: int = Field(0, description="Changes which rows the hash picks.")
@@ -142,6 +248,8 @@ class GateSpec(_Spec):
 
 class FleetSpec(_Spec):
     """dispatch: pool. Shards fan out to the shard-worker deployment on a GPU work pool."""
+
+    model_config = ConfigDict(title="Fleet (pool dispatch)")
 
     deployment: str = Field(
         "tokenmill-shard-worker/gpu-spot",
@@ -169,24 +277,42 @@ class FleetSpec(_Spec):
         default_factory=dict, description="Work-pool job variables for the worker runs (image, env, ...).")
 
 
+def _form_asks_for_paths(schema: dict[str, Any]) -> None:
+    # The demo corpus exists only in a checkout that ran `tokenmill sample-corpus`: the form and the
+    # Prefect API ask for input and output instead of offering it. JobSpec() in Python keeps it.
+    for name in ("input", "output"):
+        schema["properties"][name].pop("default", None)
+        schema["properties"][name]["minLength"] = 1
+    schema["required"] = ["input", "output", *schema.get("required", [])]
+
+
 class JobSpec(_Spec):
     """One batch job: where the rows are, what to run on them, where the results go."""
+
+    model_config = ConfigDict(title="Batch job", json_schema_extra=_form_asks_for_paths)
 
     input: str = Field(DEFAULT_INPUT, description="A file, directory or glob; local or s3://.")
     format: Literal["auto", "parquet", "jsonl"] = Field(
         "auto", description="'auto' detects it from each file's extension."
     )
-    id_column: str = "id"
-    text_column: str = "text"
-    mode: Literal["embed", "generate"] = "embed"
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    generation: GenerationParams = Field(default_factory=GenerationParams)
-    batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    id_column: str = Field(
+        "id", description="Column with each row's unique, non-null id; outputs and rejects carry it as `id`.")
+    text_column: str = Field("text", description="Column with the text to embed, or the {text} of the prompts.")
+    mode: Literal["embed", "generate"] = Field(
+        "embed",
+        description="embed: one vector per row (`embedding`). generate: one completion per row (`output_text`).")
+    model: ModelSpec = Field(
+        default_factory=ModelSpec, description="Which model, on which engine, in which dtype.")
+    generation: GenerationParams = Field(
+        default_factory=GenerationParams, description="Prompts and sampling; used by mode=generate only.")
+    batching: BatchingSpec = Field(
+        default_factory=BatchingSpec, description="Shard and batch sizes: throughput and padding.")
     overlong: Literal["truncate", "reject"] = Field(
         "truncate",
         description="Inputs longer than the model's limit: cut and flag the row, or reject it.",
     )
-    pricing: PricingSpec = Field(default_factory=PricingSpec)
+    pricing: PricingSpec = Field(
+        default_factory=PricingSpec, description="GPU prices the run's cost ($, $/1M tokens) is computed from.")
     output: str = Field(DEFAULT_OUTPUT, description="Output directory; local or s3://.")
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -198,12 +324,16 @@ class JobSpec(_Spec):
         description="Name of a Prefect Secret block whose value is a JSON object of fsspec options "
         "(key, secret, token, endpoint_url, ...), merged in when storage is opened.",
     )
-    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
-    gate: GateSpec | None = Field(None, description="Run the eval gate first; see GateSpec.")
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec, description="Where the run's record goes.")
+    gate: GateSpec | None = Field(
+        None, title="Eval gate", description="Check a cheaper candidate model against the reference on a sample "
+        "before the corpus runs; on_fail says what a failed check does. Empty: no gate.")
     dispatch: Literal["local", "pool"] = Field(
         "local", description="local: every shard in this process. pool: shards fan out to GPU worker runs "
         "of the fleet's deployment; see fleet.")
-    fleet: FleetSpec = Field(default_factory=FleetSpec)
+    fleet: FleetSpec = Field(
+        default_factory=FleetSpec, description="The GPU workers shards fan out to; used by dispatch=pool only.")
     calibration: str | None = Field(
         None, description="calibration.json from `tokenmill calibrate`: the run then records predicted "
         "against measured tokens/s and $.")
