@@ -2,9 +2,16 @@
 instead, in one process run, interleaved and repeated (medians and ratios).
 
     make bench                     # or: python -m bench.run --docs 2000 --repeats 3
+    python -m bench.run --quick    # smoke run: every comparison on a tiny corpus, one round
 
-Writes bench/RESULTS.md and logs every figure to MLflow (experiment tokenmill-bench).
+Writes bench/RESULTS.md and logs every figure to MLflow (experiment tokenmill-bench);
+--quick writes data/bench/RESULTS-quick.md and logs to tokenmill-bench-quick instead.
 Engine start is excluded from every timing; each engine is warmed up first.
+
+Each comparison is a function that builds its variants and returns them under their own
+names; `main` times all the embedding variants in one interleave (each round runs every
+variant once), then the generation pair, then the memory runs, and `write_report` renders
+what came back.
 """
 
 from __future__ import annotations
@@ -27,15 +34,34 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass, field, fields  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
+from tokenmill.bucketing import input_order_batches, padding_stats, plan_batches  # noqa: E402
+from tokenmill.memory import PeakMemory  # noqa: E402
+from tokenmill.engine_protocol import Engine
+from tokenmill.engines import VLLMEngine, close_engines, get_engine  # noqa: E402
+from tokenmill.models import resolve_model  # noqa: E402
+from tokenmill.encoding import encode_rows, input_token_limit
+from tokenmill.runner import run_batches, run_shard  # noqa: E402
+from tokenmill.sample_corpus import write_sample_corpus  # noqa: E402
+from tokenmill.shards import ShardSpec, discover_shards  # noqa: E402
+from tokenmill.spec import JobSpec, ModelSpec  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"
+EXPERIMENT = "tokenmill-bench"
+EMBED_MODEL = "all-MiniLM-L6-v2"
+GENERATE_MODEL = "SmolLM2-135M-Instruct"
+GENERATE_MAX_TOKENS = 32
+MAX_SHARD_ROWS = 1000
+# --quick: the same comparisons on a corpus small enough that the whole run proves the path, not the figures
+QUICK = {"docs": 32, "repeats": 1, "single_docs": 8, "buckets_docs": 32, "generate_docs": 4,
+         "results": ROOT / "data" / "bench" / "RESULTS-quick.md", "experiment": f"{EXPERIMENT}-quick"}
 
 
 @dataclass
@@ -43,7 +69,7 @@ class Variant:
     """One way of doing the same work; timed once per round."""
 
     name: str
-    run: Callable[[], None]
+    run: Callable[[], object] | None  # None once timing is done and its engines and models are let go
     tokens: int  # real (unpadded) tokens per run
     items: int
     padded_slots: int | None = None
@@ -77,10 +103,39 @@ def interleave(variants: list[Variant], repeats: int) -> None:
             variant.seconds.append(time.perf_counter() - started)
 
 
+def variants_of(*comparisons) -> list[Variant]:
+    """The variants the comparisons time, in the order they are run and reported."""
+    return [variant for comparison in comparisons for variant in comparison.variants]
+
+
+# --- the corpus every embedding comparison shares ----------------------------------------------------------
+
+@dataclass
+class EmbedCorpus:
+    """The 1x corpus, tokenized once, and the embedding jobs (vLLM and transformers) run over it."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    lengths: list[int]
+    shards: list[ShardSpec]
+    spec: JobSpec
+    hf_spec: JobSpec
+    model_path: str
+    input_limit: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def batches(self, rows: int) -> list[list[int]]:
+        """Our length buckets over the first `rows` documents."""
+        batching = self.spec.batching
+        return plan_batches(self.lengths[:rows], batching.token_budget, batching.max_batch_size,
+                            batching.length_tolerance)
+
+
 def prepare_corpora(docs: int) -> tuple[Path, Path]:
     """x1: `docs` documents taken evenly from the sample corpus; x10: ten times as many."""
-    from tokenmill.sample_corpus import write_sample_corpus
-
     sample = ROOT / "data" / "sample-corpus"
     if not sample.exists():
         write_sample_corpus(sample)
@@ -101,12 +156,254 @@ def prepare_corpora(docs: int) -> tuple[Path, Path]:
     return x1, x10
 
 
-def peak_memory_of_run(corpus: Path, scratch: Path, max_shard_rows: int) -> dict[str, float]:
-    """Peak RSS of a `tokenmill run` process tree (CLI, Prefect server, vLLM engine), sampled every 0.2 s."""
-    from tokenmill.calibrate import PeakMemory
+def load_embed_corpus(x1: Path, scratch: Path) -> EmbedCorpus:
+    texts = pq.read_table(x1).column("text").to_pylist()
+    spec = JobSpec(input=str(x1), output=str(scratch / "e2e"), mode="embed",
+                   model=ModelSpec(name=EMBED_MODEL), batching={"max_shard_rows": MAX_SHARD_ROWS})
+    hf_spec = spec.model_copy(update={"model": ModelSpec(name=EMBED_MODEL, engine="transformers")})
+    model_path = resolve_model(spec.model_name)
+    token_ids = encode_rows(texts, spec, model_path).token_ids
+    return EmbedCorpus(texts=texts, token_ids=token_ids, lengths=[len(ids) for ids in token_ids],
+                       shards=discover_shards(str(x1), max_shard_rows=MAX_SHARD_ROWS), spec=spec, hf_spec=hf_spec,
+                       model_path=model_path, input_limit=input_token_limit(spec, model_path))
 
+
+# --- ways of doing the work ----------------------------------------------------------------------------------
+
+def tokenmill_variant(name: str, corpus: EmbedCorpus, job: JobSpec, engine: Engine) -> Variant:
+    """tokenmill end to end: every shard read, validated, tokenized, bucketed, embedded and written."""
+    def go() -> None:
+        for shard in corpus.shards:
+            run_shard(shard, job, engine=engine)
+    return Variant(name, go, corpus.tokens, len(corpus.texts))
+
+
+def batches_variant(name: str, corpus: EmbedCorpus, rows: int, engine: Engine, job: JobSpec,
+                    batches: list[list[int]], show_padding: bool = False) -> Variant:
+    """The engine over the first `rows` documents' token ids, in the given batches."""
+    ids, lengths = corpus.token_ids[:rows], corpus.lengths[:rows]
+    padded = padding_stats(lengths, batches).padded_slots if show_padding else None
+    return Variant(name, lambda: run_batches(engine, batches, ids, job, "bench"), sum(lengths), rows, padded)
+
+
+def one_at_a_time_variant(name: str, corpus: EmbedCorpus, rows: int, engine: Engine) -> Variant:
+    ids = corpus.token_ids[:rows]
+    return Variant(name, lambda: [engine.embed([row]) for row in ids], sum(corpus.lengths[:rows]), rows)
+
+
+# --- the comparisons -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    """One comparison's variants, each under its own name."""
+
+    @property
+    def variants(self) -> list[Variant]:
+        """The variants it times, in the order of its fields (not those borrowed from another comparison)."""
+        named = [getattr(self, f.name) for f in fields(self) if not f.metadata.get("borrowed")]
+        return [value for value in named if isinstance(value, Variant)]
+
+@dataclass
+class EndToEndVsDirect(Comparison):
+    """tokenmill end to end against vLLM's `LLM.embed` called directly on the same texts."""
+
+    tokenmill: Variant
+    direct: Variant
+
+    @property
+    def speedup(self) -> float:
+        return self.tokenmill.tokens_per_s / self.direct.tokens_per_s
+
+
+def compare_end_to_end_vs_raw_vllm(corpus: EmbedCorpus, vllm: VLLMEngine) -> EndToEndVsDirect:
+    truncation = {"truncation": True, "max_length": corpus.input_limit}
+    direct = Variant("vLLM LLM.embed(texts) directly",
+                     lambda: vllm.llm.embed(corpus.texts, use_tqdm=False, tokenization_kwargs=truncation),
+                     corpus.tokens, len(corpus.texts))
+    return EndToEndVsDirect(tokenmill=tokenmill_variant("tokenmill end to end (vLLM)", corpus, corpus.spec, vllm),
+                            direct=direct)
+
+
+@dataclass
+class OfflineVsOneAtATime(Comparison):
+    """Offline batches against one request at a time, on each engine, same rows."""
+
+    vllm_batches: Variant
+    vllm_single: Variant
+    transformers_batches: Variant
+    transformers_single: Variant
+
+    @property
+    def vllm_speedup(self) -> float:
+        return self.vllm_batches.items_per_s / self.vllm_single.items_per_s
+
+    @property
+    def transformers_speedup(self) -> float:
+        return self.transformers_batches.items_per_s / self.transformers_single.items_per_s
+
+
+def compare_offline_vs_one_at_a_time(corpus: EmbedCorpus, vllm: Engine, hf: Engine, docs: int) -> OfflineVsOneAtATime:
+    rows = min(docs, len(corpus.token_ids))
+    batches = corpus.batches(rows)
+    return OfflineVsOneAtATime(
+        vllm_batches=batches_variant("vLLM, our batches", corpus, rows, vllm, corpus.spec, batches),
+        vllm_single=one_at_a_time_variant("vLLM, one request at a time", corpus, rows, vllm),
+        transformers_batches=batches_variant("transformers, our batches", corpus, rows, hf, corpus.hf_spec, batches),
+        transformers_single=one_at_a_time_variant("transformers, one request at a time", corpus, rows, hf))
+
+
+@dataclass
+class BucketsVsInputOrder(Comparison):
+    """The transformers engine with and without length buckets, same token budget."""
+
+    bucketed: Variant
+    input_order: Variant
+
+    @property
+    def speedup(self) -> float:
+        return self.bucketed.tokens_per_s / self.input_order.tokens_per_s
+
+
+def compare_buckets_vs_input_order(corpus: EmbedCorpus, hf: Engine, docs: int) -> BucketsVsInputOrder:
+    rows = min(docs, len(corpus.token_ids))
+    batching = corpus.spec.batching
+    input_order = input_order_batches(corpus.lengths[:rows], batching.token_budget, batching.max_batch_size)
+    return BucketsVsInputOrder(
+        bucketed=batches_variant("transformers, length buckets", corpus, rows, hf, corpus.hf_spec,
+                                 corpus.batches(rows), show_padding=True),
+        input_order=batches_variant("transformers, input order", corpus, rows, hf, corpus.hf_spec, input_order,
+                                    show_padding=True))
+
+
+@dataclass
+class VsSentenceTransformers(Comparison):
+    """tokenmill end to end on each engine against sentence-transformers' own encode (which sorts by length)."""
+
+    encode: Variant
+    tokenmill_transformers: Variant
+    tokenmill_vllm: Variant = field(metadata={"borrowed": True})  # EndToEndVsDirect.tokenmill times it
+
+    @property
+    def best(self) -> Variant:
+        return max((self.tokenmill_vllm, self.tokenmill_transformers), key=lambda v: v.tokens_per_s)
+
+    @property
+    def speedup(self) -> float:
+        return self.best.tokens_per_s / self.encode.tokens_per_s
+
+    @property
+    def transformers_speedup(self) -> float:
+        return self.tokenmill_transformers.tokens_per_s / self.encode.tokens_per_s
+
+
+def compare_vs_sentence_transformers(corpus: EmbedCorpus, hf: Engine,
+                                     tokenmill_vllm: Variant) -> VsSentenceTransformers:
+    from sentence_transformers import SentenceTransformer  # a dev dependency, and torch with it
+
+    model = SentenceTransformer(corpus.model_path, device="cpu")
+    encode = Variant("sentence-transformers encode (batch 32)",
+                     lambda: model.encode(corpus.texts, batch_size=32, convert_to_numpy=True),
+                     corpus.tokens, len(corpus.texts))
+    return VsSentenceTransformers(
+        encode=encode, tokenmill_vllm=tokenmill_vllm,
+        tokenmill_transformers=tokenmill_variant("tokenmill end to end (transformers)", corpus, corpus.hf_spec, hf))
+
+
+@dataclass
+class VllmVsTransformersEmbed(Comparison):
+    """The two engines side by side on the same bucketed batches."""
+
+    vllm: Variant
+    transformers: Variant
+
+    @property
+    def speedup(self) -> float:
+        return self.vllm.tokens_per_s / self.transformers.tokens_per_s
+
+
+def compare_vllm_vs_transformers_embed(corpus: EmbedCorpus, vllm: Engine, hf: Engine) -> VllmVsTransformersEmbed:
+    rows = len(corpus.token_ids)
+    batches = corpus.batches(rows)
+    return VllmVsTransformersEmbed(
+        vllm=batches_variant("vLLM engine, our batches", corpus, rows, vllm, corpus.spec, batches, show_padding=True),
+        transformers=batches_variant("transformers engine, our batches", corpus, rows, hf, corpus.hf_spec, batches,
+                                     show_padding=True))
+
+
+@dataclass
+class VllmVsTransformersGenerate(Comparison):
+    """The two engines generating from the same prompts in the same batches."""
+
+    vllm: Variant
+    transformers: Variant
+    max_tokens: int
+    output_tokens: dict[str, int] = field(default_factory=dict)  # by engine, from its latest run
+
+    @property
+    def prompts(self) -> int:
+        return self.vllm.items
+
+    @property
+    def speedup(self) -> float:
+        return self.transformers.median / self.vllm.median
+
+
+def compare_vllm_vs_transformers_generate(prompts: list[str]) -> VllmVsTransformersGenerate:
+    """Starts both generation engines: call it once the embedding engines are closed."""
+    spec = JobSpec(mode="generate", model=ModelSpec(name=GENERATE_MODEL),
+                   generation={"max_tokens": GENERATE_MAX_TOKENS})
+    hf_spec = spec.model_copy(update={"model": ModelSpec(name=GENERATE_MODEL, engine="transformers")})
+    model_path = resolve_model(spec.model_name)
+    token_ids = encode_rows(prompts, spec, model_path).token_ids
+    lengths = [len(ids) for ids in token_ids]
+    batching = spec.batching
+    batches = plan_batches(lengths, batching.token_budget, batching.max_batch_size, batching.length_tolerance)
+    output_tokens: dict[str, int] = {}
+
+    def generate_with(job: JobSpec, engine_name: str) -> Callable[[], None]:
+        engine = get_engine(model_path, job)
+
+        def go() -> None:
+            results, _ = run_batches(engine, batches, token_ids, job, "bench")
+            output_tokens[engine_name] = sum(g.output_tokens for batch in results for g in batch)
+        return go
+
+    return VllmVsTransformersGenerate(
+        vllm=Variant("vLLM generate", generate_with(spec, "vllm"), sum(lengths), len(prompts)),
+        transformers=Variant("transformers generate", generate_with(hf_spec, "transformers"), sum(lengths),
+                             len(prompts)),
+        max_tokens=spec.generation.max_tokens, output_tokens=output_tokens)
+
+
+@dataclass
+class PeakMemoryOfRun:
+    rows: int
+    peak_tree_gib: float  # the CLI, Prefect's server and the vLLM engine together
+    peak_main_gib: float  # the CLI's process alone
+    wall_s: float
+
+
+@dataclass
+class MemoryScaling:
+    """Peak memory of `tokenmill run` on the 10x corpus against the 1x one."""
+
+    x1: PeakMemoryOfRun
+    x10: PeakMemoryOfRun
+
+    @property
+    def tree_ratio(self) -> float:
+        return self.x10.peak_tree_gib / self.x1.peak_tree_gib
+
+    @property
+    def main_ratio(self) -> float:
+        return self.x10.peak_main_gib / self.x1.peak_main_gib
+
+
+def peak_memory_of_run(corpus: Path, scratch: Path, max_shard_rows: int) -> PeakMemoryOfRun:
+    """Peak RSS of a `tokenmill run` process tree (CLI, Prefect server, vLLM engine), sampled every 0.2 s."""
     output = scratch / f"out-{corpus.name}"
-    args = [sys.executable, "-m", "flows.cli", "run", "--input", str(corpus), "--output", str(output),
+    args = [sys.executable, "-m", "tokenmill.cli", "run", "--input", str(corpus), "--output", str(output),
             "--max-shard-rows", str(max_shard_rows), "--no-progress",
             "--tracking-uri", f"sqlite:///{scratch}/mlflow-memory.db"]
     env = dict(os.environ, PREFECT_HOME=str(scratch / f"prefect-{corpus.name}"))
@@ -121,8 +418,122 @@ def peak_memory_of_run(corpus: Path, scratch: Path, max_shard_rows: int) -> dict
     if process.returncode != 0:
         raise RuntimeError(f"tokenmill run on {corpus} failed:\n{''.join(log_lines)[-3000:]}")
     manifest = json.loads((output / "_manifest.json").read_text())
-    return {"rows": manifest["totals"]["rows_in"], "peak_tree_gib": memory.peak_gib,
-            "peak_main_gib": memory.peak_root_gib, "wall_s": time.perf_counter() - started}
+    return PeakMemoryOfRun(rows=manifest["totals"]["rows_in"], peak_tree_gib=memory.peak_gib,
+                           peak_main_gib=memory.peak_root_gib, wall_s=time.perf_counter() - started)
+
+
+def compare_memory_scaling(x1: Path, x10: Path, scratch: Path) -> MemoryScaling:
+    return MemoryScaling(x1=peak_memory_of_run(x1, scratch, MAX_SHARD_ROWS),
+                         x10=peak_memory_of_run(x10, scratch, MAX_SHARD_ROWS))
+
+
+# --- the run, and what it reports --------------------------------------------------------------------------------
+
+@dataclass
+class BenchResults:
+    """Everything RESULTS.md and the MLflow run say."""
+
+    command: str
+    started_at: dt.datetime
+    machine: str
+    gpu: str
+    docs: int
+    tokens: int
+    repeats: int
+    end_to_end: EndToEndVsDirect
+    offline: OfflineVsOneAtATime
+    buckets: BucketsVsInputOrder
+    sentence_transformers: VsSentenceTransformers
+    engines_embed: VllmVsTransformersEmbed
+    engines_generate: VllmVsTransformersGenerate
+    memory: MemoryScaling | None
+    profile_text: str
+
+    @property
+    def variants(self) -> list[Variant]:
+        return variants_of(self.end_to_end, self.offline, self.buckets, self.sentence_transformers,
+                           self.engines_embed, self.engines_generate)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=1000, help="documents in the 1x corpus")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--single-docs", type=int, default=256, help="documents for the batch-of-1 comparison")
+    parser.add_argument("--buckets-docs", type=int, default=1000, help="documents for buckets on/off")
+    parser.add_argument("--generate-docs", type=int, default=32)
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--experiment", default=EXPERIMENT, help="MLflow experiment")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run of every comparison; defaults become "
+                             + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**QUICK)  # options given on the command line still win
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started_at = dt.datetime.now(dt.timezone.utc)
+    command = "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
+    x1, x10 = prepare_corpora(args.docs)
+    scratch = Path(tempfile.mkdtemp(prefix="tokenmill-bench-"))
+    corpus = load_embed_corpus(x1, scratch)
+    print(f"corpus: {len(corpus.texts)} docs, {corpus.tokens} tokens "
+          f"(median {statistics.median(corpus.lengths)}, max {max(corpus.lengths)})")
+
+    # One engine of each kind serves every embedding comparison.
+    vllm = get_engine(corpus.model_path, corpus.spec)
+    hf = get_engine(corpus.model_path, corpus.hf_spec)
+    end_to_end = compare_end_to_end_vs_raw_vllm(corpus, vllm)
+    offline = compare_offline_vs_one_at_a_time(corpus, vllm, hf, args.single_docs)
+    buckets = compare_buckets_vs_input_order(corpus, hf, args.buckets_docs)
+    vs_sentence_transformers = compare_vs_sentence_transformers(corpus, hf, end_to_end.tokenmill)
+    engines_embed = compare_vllm_vs_transformers_embed(corpus, vllm, hf)
+    embed_variants = variants_of(end_to_end, offline, buckets, vs_sentence_transformers, engines_embed)
+    print("embedding comparisons, interleaved ...")
+    interleave(embed_variants, args.repeats)
+    profile_text = profile(end_to_end.tokenmill.run)
+
+    # Free the embedding engines' memory (and sentence-transformers' model, which only the
+    # variants' closures hold) before the generation engines start.
+    for variant in embed_variants:
+        variant.run = None
+    del vllm, hf
+    close_engines()
+
+    engines_generate = compare_vllm_vs_transformers_generate(corpus.texts[: args.generate_docs])
+    print("generation comparison, interleaved ...")
+    interleave(engines_generate.variants, args.repeats)
+    close_engines()
+
+    memory = None
+    if not args.skip_memory:
+        print("peak memory at 1x and 10x ...")
+        memory = compare_memory_scaling(x1, x10, scratch)
+
+    results = BenchResults(
+        command=command, started_at=started_at, machine=machine(), gpu=gpu_note(), docs=len(corpus.texts),
+        tokens=corpus.tokens, repeats=args.repeats, end_to_end=end_to_end, offline=offline, buckets=buckets,
+        sentence_transformers=vs_sentence_transformers, engines_embed=engines_embed,
+        engines_generate=engines_generate, memory=memory, profile_text=profile_text)
+    write_report(results, args.results)
+    log_to_mlflow(figures(results), args.results, args.experiment)
+    shutil.rmtree(scratch, ignore_errors=True)
+    print(args.results.read_text())
+    return 0
+
+
+def profile(run: Callable[[], object]) -> str:
+    """Where a tokenmill pass spends its time, outside the engine's own process."""
+    from pyinstrument import Profiler
+
+    profiler = Profiler(interval=0.005)
+    profiler.start()
+    run()
+    profiler.stop()
+    return profiler.output_text(unicode=False, color=False, show_all=False, short_mode=True)
 
 
 def machine() -> str:
@@ -140,156 +551,6 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=int, default=1000, help="documents in the 1x corpus")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--single-docs", type=int, default=256, help="documents for the batch-of-1 comparison")
-    parser.add_argument("--buckets-docs", type=int, default=1000, help="documents for buckets on/off")
-    parser.add_argument("--generate-docs", type=int, default=32)
-    parser.add_argument("--skip-memory", action="store_true")
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-
-    import numpy as np
-    from sentence_transformers import SentenceTransformer
-
-    from tokenmill.bucketing import input_order_batches, padding_stats, plan_batches
-    from tokenmill.engines import get_engine
-    from tokenmill.models import resolve_model
-    from tokenmill.runner import encode_rows, input_token_limit, run_batches, run_shard
-    from tokenmill.shards import discover_shards
-    from tokenmill.spec import JobSpec, ModelSpec
-
-    started_at = dt.datetime.now(dt.timezone.utc)
-    command = "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
-    x1, x10 = prepare_corpora(args.docs)
-    scratch = Path(tempfile.mkdtemp(prefix="tokenmill-bench-"))
-    table = pq.read_table(x1)
-    texts = table.column("text").to_pylist()
-
-    spec = JobSpec(input=str(x1), output=str(scratch / "e2e"), mode="embed",
-                   model=ModelSpec(name="all-MiniLM-L6-v2"), batching={"max_shard_rows": 1000})
-    hf_spec = spec.model_copy(update={"model": ModelSpec(name="all-MiniLM-L6-v2", engine="transformers")})
-    model_path = resolve_model(spec.model_name)
-    budget, max_rows = spec.batching.token_budget, spec.batching.max_batch_size
-    encoded = encode_rows(texts, spec, model_path)
-    ids, lengths = encoded.token_ids, [len(t) for t in encoded.token_ids]
-    tokens = sum(lengths)
-    limit = input_token_limit(spec, model_path)
-    shards = discover_shards(str(x1), max_shard_rows=1000)
-    print(f"corpus: {len(texts)} docs, {tokens} tokens (median {statistics.median(lengths)}, max {max(lengths)})")
-
-    vllm = get_engine(model_path, spec)
-    hf = get_engine(model_path, hf_spec)
-    st = SentenceTransformer(model_path, device="cpu")
-
-    def tokenmill_run(job: JobSpec, engine) -> Callable[[], None]:
-        def go() -> None:
-            for shard in shards:
-                run_shard(shard, job, engine=engine)
-        return go
-
-    bucketed = plan_batches(lengths, budget, max_rows, spec.batching.length_tolerance)
-
-    # 1. tokenmill end to end against the engine called directly on the same texts
-    e2e = Variant("tokenmill end to end (vLLM)", tokenmill_run(spec, vllm), tokens, len(texts))
-    direct = Variant("vLLM LLM.embed(texts) directly", lambda: vllm.llm.embed(
-        texts, use_tqdm=False, tokenization_kwargs={"truncation": True, "max_length": limit}), tokens, len(texts))
-    # 2. offline batches against one request at a time, same engine, same rows
-    k = min(args.single_docs, len(ids))
-    sub_lengths = lengths[:k]
-    sub_batches = plan_batches(sub_lengths, budget, max_rows, spec.batching.length_tolerance)
-    offline = Variant("vLLM, our batches", lambda: run_batches(vllm, sub_batches, ids[:k], spec, "bench"),
-                      sum(sub_lengths), k)
-    single = Variant("vLLM, one request at a time", lambda: [vllm.embed([row]) for row in ids[:k]],
-                     sum(sub_lengths), k)
-    hf_offline = Variant("transformers, our batches", lambda: run_batches(hf, sub_batches, ids[:k], hf_spec, "bench"),
-                         sum(sub_lengths), k)
-    hf_single = Variant("transformers, one request at a time", lambda: [hf.embed([row]) for row in ids[:k]],
-                        sum(sub_lengths), k)
-    # 3. transformers engine with and without length buckets, same token budget
-    c = min(args.buckets_docs, len(ids))
-    c_lengths = lengths[:c]
-    on = plan_batches(c_lengths, budget, max_rows, spec.batching.length_tolerance)
-    off = input_order_batches(c_lengths, budget, max_rows)
-    buckets_on = Variant("transformers, length buckets", lambda: run_batches(hf, on, ids[:c], hf_spec, "bench"),
-                         sum(c_lengths), c, padding_stats(c_lengths, on).padded_slots)
-    buckets_off = Variant("transformers, input order", lambda: run_batches(hf, off, ids[:c], hf_spec, "bench"),
-                          sum(c_lengths), c, padding_stats(c_lengths, off).padded_slots)
-    # 4. against sentence-transformers' own encode (which sorts by length inside)
-    st_encode = Variant("sentence-transformers encode (batch 32)",
-                        lambda: st.encode(texts, batch_size=32, convert_to_numpy=True), tokens, len(texts))
-    hf_e2e = Variant("tokenmill end to end (transformers)", tokenmill_run(hf_spec, hf), tokens, len(texts))
-    # 5. the engines side by side on the same bucketed batches
-    vllm_engine = Variant("vLLM engine, our batches", lambda: run_batches(vllm, bucketed, ids, spec, "bench"),
-                          tokens, len(texts), padding_stats(lengths, bucketed).padded_slots)
-    hf_engine = Variant("transformers engine, our batches", lambda: run_batches(hf, bucketed, ids, hf_spec, "bench"),
-                        tokens, len(texts), padding_stats(lengths, bucketed).padded_slots)
-
-    embed_variants = [e2e, direct, offline, single, hf_offline, hf_single, buckets_on, buckets_off, st_encode, hf_e2e,
-                      vllm_engine, hf_engine]
-    print("embedding comparisons, interleaved ...")
-    interleave(embed_variants, args.repeats)
-
-    profile_text = profile(tokenmill_run(spec, vllm))
-
-    from tokenmill.engines import close_engines
-
-    close_engines()  # free the embedding engines' memory before the generation engines start
-    del st
-
-    gen_spec = JobSpec(mode="generate", model=ModelSpec(name="SmolLM2-135M-Instruct"),
-                       generation={"max_tokens": 32})
-    gen_hf_spec = gen_spec.model_copy(update={"model": ModelSpec(name="SmolLM2-135M-Instruct",
-                                                                 engine="transformers")})
-    gen_path = resolve_model(gen_spec.model_name)
-    prompts = texts[: args.generate_docs]
-    gen_encoded = encode_rows(prompts, gen_spec, gen_path)
-    gen_lengths = [len(t) for t in gen_encoded.token_ids]
-    gen_batches = plan_batches(gen_lengths, budget, max_rows, spec.batching.length_tolerance)
-    gen_vllm = get_engine(gen_path, gen_spec)
-    gen_hf = get_engine(gen_path, gen_hf_spec)
-    generated: dict[str, int] = {}
-
-    def generate_with(engine, job, name) -> Callable[[], None]:
-        def go() -> None:
-            results, _ = run_batches(engine, gen_batches, gen_encoded.token_ids, job, "bench")
-            generated[name] = sum(g.output_tokens for batch in results for g in batch)
-        return go
-
-    gen_v = Variant("vLLM generate", generate_with(gen_vllm, gen_spec, "vllm"), sum(gen_lengths), len(prompts))
-    gen_h = Variant("transformers generate", generate_with(gen_hf, gen_hf_spec, "hf"), sum(gen_lengths),
-                    len(prompts))
-    print("generation comparison, interleaved ...")
-    interleave([gen_v, gen_h], args.repeats)
-    close_engines()
-
-    memory = None
-    if not args.skip_memory:
-        print("peak memory at 1x and 10x ...")
-        memory = {"x1": peak_memory_of_run(x1, scratch, 1000), "x10": peak_memory_of_run(x10, scratch, 1000)}
-
-    gpu = gpu_note()
-    report = write_results(args, command, started_at, len(texts), tokens, embed_variants, gen_v, gen_h, generated,
-                           memory, profile_text, gpu)
-    log_to_mlflow(report, args.results)
-    shutil.rmtree(scratch, ignore_errors=True)
-    print(args.results.read_text())
-    return 0
-
-
-def profile(run: Callable[[], None]) -> str:
-    """Where a tokenmill pass spends its time, outside the engine's own process."""
-    from pyinstrument import Profiler
-
-    profiler = Profiler(interval=0.005)
-    profiler.start()
-    run()
-    profiler.stop()
-    return profiler.output_text(unicode=False, color=False, show_all=False, short_mode=True)
-
-
 def gpu_note() -> str:
     try:
         import torch
@@ -301,82 +562,82 @@ def gpu_note() -> str:
     return "no GPU on this machine"
 
 
-def write_results(args, command, started_at, docs, tokens, embed, gen_v, gen_h, generated, memory, profile_text,
-                  gpu) -> dict:
-    e2e, direct, offline, single, hf_offline, hf_single, on, off, st_encode, hf_e2e, vllm_engine, hf_engine = embed
-    best = max((e2e, hf_e2e), key=lambda v: v.tokens_per_s)
-    rows = []
-    figures: dict[str, float] = {}
+def _target_row(comparison: str, measured: str, target: str, met: bool | None, note: str = "") -> str:
+    return f"| {comparison} | {measured} | {target} | {'yes' if met else 'no' if met is not None else '—'} | {note} |"
 
-    def row(name, measured, target, met, note=""):
-        rows.append(f"| {name} | {measured} | {target} | {'yes' if met else 'no' if met is not None else '—'} "
-                    f"| {note} |")
 
-    r1 = e2e.tokens_per_s / direct.tokens_per_s
-    figures["e2e_vs_direct"] = r1
-    row("tokenmill end to end vs the same engine called directly", f"{r1:.2f}×", "≥ 0.90", r1 >= 0.90,
-        f"{e2e.tokens_per_s:,.0f} vs {direct.tokens_per_s:,.0f} tokens/s; ours reads Parquet, validates, "
-        "tokenizes, buckets and writes Parquet")
-    r2 = offline.items_per_s / single.items_per_s
-    figures["offline_vs_single"] = r2
-    row("offline batches vs one request at a time (vLLM)", f"{r2:.1f}× items/s", "≥ 20×", r2 >= 20,
-        f"{offline.items_per_s:,.1f} vs {single.items_per_s:,.1f} items/s on {offline.items} docs")
-    r2h = hf_offline.items_per_s / hf_single.items_per_s
-    figures["offline_vs_single_transformers"] = r2h
-    row("offline batches vs one request at a time (transformers)", f"{r2h:.1f}× items/s", "≥ 20×", r2h >= 20,
-        f"{hf_offline.items_per_s:,.1f} vs {hf_single.items_per_s:,.1f} items/s on {hf_offline.items} docs")
-    r3 = on.tokens_per_s / off.tokens_per_s
-    figures.update(buckets_speedup=r3, padding_bucketed=on.padding, padding_input_order=off.padding)
-    row("transformers engine, buckets on vs off (same token budget)",
-        f"{r3:.2f}× tokens/s; padding {on.padding:.1%} vs {off.padding:.1%}", "≥ 2×; padding ≤ 5%",
-        r3 >= 2 and on.padding <= 0.05, f"{on.items} docs")
-    r4 = best.tokens_per_s / st_encode.tokens_per_s
-    figures["best_vs_sentence_transformers"] = r4
-    row("our best engine vs sentence-transformers encode", f"{r4:.2f}×", "≥ 1.0×", r4 >= 1.0,
-        f"{best.name}: {best.tokens_per_s:,.0f} vs {st_encode.tokens_per_s:,.0f} tokens/s; "
-        f"tokenmill on transformers: {hf_e2e.tokens_per_s / st_encode.tokens_per_s:.2f}×")
-    r5 = vllm_engine.tokens_per_s / hf_engine.tokens_per_s
-    r5g = gen_h.median / gen_v.median
-    figures.update(vllm_vs_transformers_embed=r5, vllm_vs_transformers_generate=r5g)
-    row("vLLM vs transformers engine, embed", f"{r5:.2f}×", "report", None,
-        f"{vllm_engine.tokens_per_s:,.0f} vs {hf_engine.tokens_per_s:,.0f} tokens/s, same batches")
-    row("vLLM vs transformers engine, generate", f"{r5g:.2f}×", "report", None,
-        f"{args.generate_docs} prompts, max_tokens 32: {gen_v.median:.2f} s vs {gen_h.median:.2f} s; "
-        f"output tokens {generated.get('vllm')} vs {generated.get('hf')}")
-    if memory:
-        r6 = memory["x10"]["peak_tree_gib"] / memory["x1"]["peak_tree_gib"]
-        r6m = memory["x10"]["peak_main_gib"] / memory["x1"]["peak_main_gib"]
-        figures.update(memory_10x_vs_1x=r6, memory_main_10x_vs_1x=r6m)
-        row("peak memory, 10× corpus vs 1×", f"{r6:.2f}×", "≤ 1.2×", r6 <= 1.2,
-            f"process tree {memory['x1']['peak_tree_gib']:.2f} → {memory['x10']['peak_tree_gib']:.2f} GiB; "
-            f"driver alone {memory['x1']['peak_main_gib']:.2f} → {memory['x10']['peak_main_gib']:.2f} GiB "
-            f"({r6m:.2f}×); {memory['x1']['rows']} → {memory['x10']['rows']} rows")
+def target_rows(results: BenchResults) -> list[str]:
+    """The "Against the targets" table's rows."""
+    e2e, offline, buckets = results.end_to_end, results.offline, results.buckets
+    st, embed, generate = results.sentence_transformers, results.engines_embed, results.engines_generate
+    rows = [
+        _target_row("tokenmill end to end vs the same engine called directly", f"{e2e.speedup:.2f}×", "≥ 0.90",
+                    e2e.speedup >= 0.90,
+                    f"{e2e.tokenmill.tokens_per_s:,.0f} vs {e2e.direct.tokens_per_s:,.0f} tokens/s; ours reads "
+                    "Parquet, validates, tokenizes, buckets and writes Parquet"),
+        _target_row("offline batches vs one request at a time (vLLM)", f"{offline.vllm_speedup:.1f}× items/s",
+                    "≥ 20×", offline.vllm_speedup >= 20,
+                    f"{offline.vllm_batches.items_per_s:,.1f} vs {offline.vllm_single.items_per_s:,.1f} items/s "
+                    f"on {offline.vllm_batches.items} docs"),
+        _target_row("offline batches vs one request at a time (transformers)",
+                    f"{offline.transformers_speedup:.1f}× items/s", "≥ 20×", offline.transformers_speedup >= 20,
+                    f"{offline.transformers_batches.items_per_s:,.1f} vs "
+                    f"{offline.transformers_single.items_per_s:,.1f} items/s "
+                    f"on {offline.transformers_batches.items} docs"),
+        _target_row("transformers engine, buckets on vs off (same token budget)",
+                    f"{buckets.speedup:.2f}× tokens/s; padding {buckets.bucketed.padding:.1%} vs "
+                    f"{buckets.input_order.padding:.1%}", "≥ 2×; padding ≤ 5%",
+                    buckets.speedup >= 2 and buckets.bucketed.padding <= 0.05, f"{buckets.bucketed.items} docs"),
+        _target_row("our best engine vs sentence-transformers encode", f"{st.speedup:.2f}×", "≥ 1.0×",
+                    st.speedup >= 1.0,
+                    f"{st.best.name}: {st.best.tokens_per_s:,.0f} vs {st.encode.tokens_per_s:,.0f} tokens/s; "
+                    f"tokenmill on transformers: {st.transformers_speedup:.2f}×"),
+        _target_row("vLLM vs transformers engine, embed", f"{embed.speedup:.2f}×", "report", None,
+                    f"{embed.vllm.tokens_per_s:,.0f} vs {embed.transformers.tokens_per_s:,.0f} tokens/s, same batches"),
+        _target_row("vLLM vs transformers engine, generate", f"{generate.speedup:.2f}×", "report", None,
+                    f"{generate.prompts} prompts, max_tokens {generate.max_tokens}: {generate.vllm.median:.2f} s vs "
+                    f"{generate.transformers.median:.2f} s; output tokens {generate.output_tokens.get('vllm')} vs "
+                    f"{generate.output_tokens.get('transformers')}"),
+    ]
+    memory = results.memory
+    if memory is not None:
+        rows.append(_target_row(
+            "peak memory, 10× corpus vs 1×", f"{memory.tree_ratio:.2f}×", "≤ 1.2×", memory.tree_ratio <= 1.2,
+            f"process tree {memory.x1.peak_tree_gib:.2f} → {memory.x10.peak_tree_gib:.2f} GiB; "
+            f"driver alone {memory.x1.peak_main_gib:.2f} → {memory.x10.peak_main_gib:.2f} GiB "
+            f"({memory.main_ratio:.2f}×); {memory.x1.rows} → {memory.x10.rows} rows"))
+    return rows
 
+
+def variant_row(variant: Variant) -> str:
+    """A row of the "Every variant" table."""
+    padding = "" if variant.padding is None else f"{variant.padding:.1%}"
+    runs = ", ".join(f"{s:.2f}" for s in variant.seconds)
+    return (f"| {variant.name} | {variant.median:.2f} | {runs} | {variant.tokens_per_s:,.0f} | "
+            f"{variant.items_per_s:,.1f} | {padding} |")
+
+
+def render_report(results: BenchResults) -> str:
     detail = ["| variant | median s | runs (s) | tokens/s | items/s | padding |", "|---|---|---|---|---|---|"]
-    for v in embed + [gen_v, gen_h]:
-        padding = "" if v.padding is None else f"{v.padding:.1%}"
-        detail.append(f"| {v.name} | {v.median:.2f} | {', '.join(f'{s:.2f}' for s in v.seconds)} | "
-                      f"{v.tokens_per_s:,.0f} | {v.items_per_s:,.1f} | {padding} |")
-        figures[f"tokens_per_s.{_slug(v.name)}"] = v.tokens_per_s
+    detail += [variant_row(variant) for variant in results.variants]
+    return f"""# tokenmill benchmarks
 
-    text = f"""# tokenmill benchmarks
+Written by `make bench` (`{results.command.strip()}`); do not edit by hand (notes go in bench/FINDINGS.md).
 
-Written by `make bench` (`{command.strip()}`); do not edit by hand (notes go in bench/FINDINGS.md).
-
-- **Date:** {started_at:%Y-%m-%d %H:%M} UTC
-- **Machine:** {machine()}
-- **GPU:** {gpu}
-- **Corpus:** {docs} documents of the sample corpus ({tokens:,} tokens after truncation at 256), all-MiniLM-L6-v2
+- **Date:** {results.started_at:%Y-%m-%d %H:%M} UTC
+- **Machine:** {results.machine}
+- **GPU:** {results.gpu}
+- **Corpus:** {results.docs} documents of the sample corpus ({results.tokens:,} tokens after truncation at 256), all-MiniLM-L6-v2
   for embeddings, SmolLM2-135M-Instruct for generation; fp32 on CPU
 - **Method:** every variant does the same work on the same texts in one process; rounds are interleaved
-  (each round runs every variant once) after one warm-up run each; {args.repeats} rounds; medians and ratios.
+  (each round runs every variant once) after one warm-up run each; {results.repeats} rounds; medians and ratios.
   Engine start is excluded.
 
 ## Against the targets
 
 | comparison | measured | target | met | note |
 |---|---|---|---|---|
-{chr(10).join(rows)}
+{chr(10).join(target_rows(results))}
 
 ## Every variant
 
@@ -388,22 +649,45 @@ target: [FINDINGS.md](FINDINGS.md). GPU figures: see the GPU section there.
 ## Profile of one tokenmill pass (pyinstrument, this process; the vLLM engine core runs in its own)
 
 ```
-{profile_text.strip()[:6000]}
+{results.profile_text.strip()[:6000]}
 ```
 """
-    args.results.write_text(text)
-    return figures
+
+
+def write_report(results: BenchResults, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_report(results))
+
+
+def figures(results: BenchResults) -> dict[str, float | None]:
+    """Every figure of the report, by its MLflow metric name."""
+    buckets = results.buckets
+    named = {
+        "e2e_vs_direct": results.end_to_end.speedup,
+        "offline_vs_single": results.offline.vllm_speedup,
+        "offline_vs_single_transformers": results.offline.transformers_speedup,
+        "buckets_speedup": buckets.speedup,
+        "padding_bucketed": buckets.bucketed.padding,
+        "padding_input_order": buckets.input_order.padding,
+        "best_vs_sentence_transformers": results.sentence_transformers.speedup,
+        "vllm_vs_transformers_embed": results.engines_embed.speedup,
+        "vllm_vs_transformers_generate": results.engines_generate.speedup,
+    }
+    if results.memory is not None:
+        named.update(memory_10x_vs_1x=results.memory.tree_ratio, memory_main_10x_vs_1x=results.memory.main_ratio)
+    named.update({f"tokens_per_s.{_slug(v.name)}": v.tokens_per_s for v in results.variants})
+    return named
 
 
 def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")[:60]
 
 
-def log_to_mlflow(figures: dict, results: Path) -> None:
+def log_to_mlflow(figures: dict[str, float | None], results: Path, experiment: str = EXPERIMENT) -> None:
     import mlflow
 
     mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlflow.db'}"))
-    mlflow.set_experiment("tokenmill-bench")
+    mlflow.set_experiment(experiment)
     with mlflow.start_run(run_name=f"bench {dt.datetime.now():%Y-%m-%d %H:%M}"):
         mlflow.log_metrics({k: float(v) for k, v in figures.items() if v is not None})
         mlflow.log_artifact(str(results))

@@ -1,0 +1,146 @@
+"""bench/run.py's report writer: a results object in, RESULTS.md's rows out. No engine starts."""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is not an installed package; `python -m pytest` from the root has it
+    sys.path.insert(0, str(ROOT))
+
+from bench import run as bench  # noqa: E402
+
+
+def timed(name: str, seconds: list[float], tokens: int = 10_000, items: int = 100,
+          padded_slots: int | None = None) -> bench.Variant:
+    return bench.Variant(name, None, tokens, items, padded_slots, seconds)
+
+
+def results(memory: bool = True) -> bench.BenchResults:
+    tokenmill_vllm = timed("tokenmill end to end (vLLM)", [2.1, 2.0, 1.9])  # median 2.0: 5,000 tokens/s
+    return bench.BenchResults(
+        command="python -m bench.run --repeats 3 ",
+        started_at=dt.datetime(2026, 11, 22, 14, 59, tzinfo=dt.timezone.utc),
+        machine="Test CPU, 2 logical cores", gpu="no GPU on this machine", docs=100, tokens=10_000, repeats=3,
+        end_to_end=bench.EndToEndVsDirect(tokenmill=tokenmill_vllm,
+                                          direct=timed("vLLM LLM.embed(texts) directly", [1.6, 1.6, 1.6])),
+        offline=bench.OfflineVsOneAtATime(
+            vllm_batches=timed("vLLM, our batches", [0.5], 2560, 32),
+            vllm_single=timed("vLLM, one request at a time", [2.0], 2560, 32),
+            transformers_batches=timed("transformers, our batches", [0.1], 2560, 32),
+            transformers_single=timed("transformers, one request at a time", [4.0], 2560, 32)),
+        buckets=bench.BucketsVsInputOrder(
+            bucketed=timed("transformers, length buckets", [1.0], padded_slots=10_200),
+            input_order=timed("transformers, input order", [4.0], padded_slots=25_000)),
+        sentence_transformers=bench.VsSentenceTransformers(
+            encode=timed("sentence-transformers encode (batch 32)", [4.0]),
+            tokenmill_transformers=timed("tokenmill end to end (transformers)", [2.5]),
+            tokenmill_vllm=tokenmill_vllm),
+        engines_embed=bench.VllmVsTransformersEmbed(
+            vllm=timed("vLLM engine, our batches", [1.25], padded_slots=10_200),
+            transformers=timed("transformers engine, our batches", [2.0], padded_slots=10_200)),
+        engines_generate=bench.VllmVsTransformersGenerate(
+            vllm=timed("vLLM generate", [0.5], 320, 4), transformers=timed("transformers generate", [2.0], 320, 4),
+            max_tokens=32, output_tokens={"vllm": 120, "transformers": 110}),
+        memory=bench.MemoryScaling(x1=bench.PeakMemoryOfRun(rows=100, peak_tree_gib=2.0, peak_main_gib=1.0, wall_s=9),
+                                   x10=bench.PeakMemoryOfRun(rows=1000, peak_tree_gib=2.5, peak_main_gib=1.1,
+                                                             wall_s=30)) if memory else None,
+        profile_text="12.1 profile  bench/run.py\n",
+    )
+
+
+TARGET_ROWS = [
+    ("| tokenmill end to end vs the same engine called directly | 0.80× | ≥ 0.90 | no | 5,000 vs 6,250 tokens/s; "
+     "ours reads Parquet, validates, tokenizes, buckets and writes Parquet |"),
+    ("| offline batches vs one request at a time (vLLM) | 4.0× items/s | ≥ 20× | no "
+     "| 64.0 vs 16.0 items/s on 32 docs |"),
+    ("| offline batches vs one request at a time (transformers) | 40.0× items/s | ≥ 20× | yes "
+     "| 320.0 vs 8.0 items/s on 32 docs |"),
+    ("| transformers engine, buckets on vs off (same token budget) | 4.00× tokens/s; padding 2.0% vs 60.0% "
+     "| ≥ 2×; padding ≤ 5% | yes | 100 docs |"),
+    ("| our best engine vs sentence-transformers encode | 2.00× | ≥ 1.0× | yes | tokenmill end to end (vLLM): "
+     "5,000 vs 2,500 tokens/s; tokenmill on transformers: 1.60× |"),
+    "| vLLM vs transformers engine, embed | 1.60× | report | — | 8,000 vs 5,000 tokens/s, same batches |",
+    ("| vLLM vs transformers engine, generate | 4.00× | report | — | 4 prompts, max_tokens 32: 0.50 s vs 2.00 s; "
+     "output tokens 120 vs 110 |"),
+    ("| peak memory, 10× corpus vs 1× | 1.25× | ≤ 1.2× | no | process tree 2.00 → 2.50 GiB; driver alone "
+     "1.00 → 1.10 GiB (1.10×); 100 → 1000 rows |"),
+]
+
+
+def table_after(text: str, heading: str) -> list[str]:
+    lines = text.split(heading, 1)[1].strip().splitlines()
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def test_report_renders_the_targets_table(tmp_path):
+    path = tmp_path / "nested" / "RESULTS.md"
+    bench.write_report(results(), path)
+    text = path.read_text()
+
+    assert text.startswith("# tokenmill benchmarks\n\nWritten by `make bench` (`python -m bench.run --repeats 3`)")
+    assert "- **Date:** 2026-11-22 14:59 UTC\n- **Machine:** Test CPU, 2 logical cores\n" in text
+    assert "- **Corpus:** 100 documents of the sample corpus (10,000 tokens after truncation at 256)" in text
+    assert "after one warm-up run each; 3 rounds; medians and ratios." in text
+    assert table_after(text, "## Against the targets") == [
+        "| comparison | measured | target | met | note |", "|---|---|---|---|---|", *TARGET_ROWS]
+    assert "```\n12.1 profile  bench/run.py\n```\n" in text
+
+
+def test_report_lists_every_variant_in_run_order(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    bench.write_report(results(), path)
+    rows = table_after(path.read_text(), "## Every variant")
+
+    assert rows[:2] == ["| variant | median s | runs (s) | tokens/s | items/s | padding |", "|---|---|---|---|---|---|"]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows[2:]] == [
+        "tokenmill end to end (vLLM)", "vLLM LLM.embed(texts) directly", "vLLM, our batches",
+        "vLLM, one request at a time", "transformers, our batches", "transformers, one request at a time",
+        "transformers, length buckets", "transformers, input order", "sentence-transformers encode (batch 32)",
+        "tokenmill end to end (transformers)", "vLLM engine, our batches", "transformers engine, our batches",
+        "vLLM generate", "transformers generate"]
+    assert rows[2] == "| tokenmill end to end (vLLM) | 2.00 | 2.10, 2.00, 1.90 | 5,000 | 50.0 |  |"
+    assert rows[8] == "| transformers, length buckets | 1.00 | 1.00 | 10,000 | 100.0 | 2.0% |"
+
+
+def test_without_memory_runs_the_memory_row_and_figures_are_left_out(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    bench.write_report(results(memory=False), path)
+
+    assert table_after(path.read_text(), "## Against the targets")[2:] == TARGET_ROWS[:-1]
+    assert not {"memory_10x_vs_1x", "memory_main_10x_vs_1x"} & set(bench.figures(results(memory=False)))
+
+
+def test_figures_name_every_ratio_and_variant():
+    figures = bench.figures(results())
+
+    assert figures["e2e_vs_direct"] == pytest.approx(0.8)
+    assert figures["offline_vs_single"] == pytest.approx(4.0)
+    assert figures["offline_vs_single_transformers"] == pytest.approx(40.0)
+    assert figures["buckets_speedup"] == pytest.approx(4.0)
+    assert figures["padding_bucketed"] == pytest.approx(0.02, abs=1e-3)
+    assert figures["padding_input_order"] == pytest.approx(0.6)
+    assert figures["best_vs_sentence_transformers"] == pytest.approx(2.0)
+    assert figures["vllm_vs_transformers_embed"] == pytest.approx(1.6)
+    assert figures["vllm_vs_transformers_generate"] == pytest.approx(4.0)
+    assert figures["memory_10x_vs_1x"] == pytest.approx(1.25)
+    assert figures["memory_main_10x_vs_1x"] == pytest.approx(1.1)
+    assert figures["tokens_per_s.tokenmill_end_to_end__vllm"] == pytest.approx(5000)
+    assert sum(key.startswith("tokens_per_s.") for key in figures) == 14
+
+
+def test_quick_changes_the_defaults_only():
+    quick = bench.parse_args(["--quick", "--repeats", "2"])
+    assert (quick.docs, quick.repeats, quick.single_docs, quick.generate_docs) == (32, 2, 8, 4)
+    assert quick.results != bench.RESULTS and quick.experiment == "tokenmill-bench-quick"
+    full = bench.parse_args([])
+    assert (full.docs, full.repeats, full.results, full.experiment) == (1000, 3, bench.RESULTS, "tokenmill-bench")
