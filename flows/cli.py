@@ -147,7 +147,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"Rows:      {metrics['rows_in']:.0f} in = {metrics['rows_out']:.0f} out + {metrics['rows_rejected']:.0f} rejected")
     print(f"Speed:     {metrics['tokens_per_s']:.0f} tokens/s over {metrics['wall_seconds']:.1f} s")
     print(f"Cost:      ${metrics['usd_per_1m_tokens']:.4f} per 1M tokens (spot)")
-    print(f"MLflow:    run {record['mlflow_run_id']}: mlflow ui --backend-store-uri {spec.tracking.mlflow_tracking_uri}")
+    from tokenmill.tracking import mlflow_ui_command
+
+    print(f"MLflow:    run {record['mlflow_run_id']}: {mlflow_ui_command(record['mlflow_tracking_uri'])}")
     print("Prefect:   prefect server start, then http://127.0.0.1:4200/runs")
     return 0
 

@@ -1,8 +1,11 @@
+"""The job's MLflow run from the Prefect side: opened when the flow starts, tagged with its
+flow run, ended by the record at the end or by the flow's failure hooks."""
+
 from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 
@@ -11,28 +14,94 @@ from tokenmill.manifest import build_manifest
 from tokenmill.models import resolve_model
 from tokenmill.runner import ShardResult
 from tokenmill.spec import JobSpec
-from tokenmill.tracking import job_params, log_run, run_metrics, shard_rows, summary_markdown
+from tokenmill.tracking import (
+    end_job_run,
+    job_params,
+    log_run,
+    open_job_run,
+    resolve_tracking_uri,
+    run_metrics,
+    shard_rows,
+    spec_params,
+    summary_markdown,
+)
+
+# Prefect flow-run id -> (job spec, its open MLflow run): what the failure hooks end.
+_open_runs: dict[str, tuple[JobSpec, str]] = {}
+
+
+def prefect_api_configured() -> bool:
+    """A Prefect API someone runs (a server or Prefect Cloud, named by PREFECT_API_URL), as
+    opposed to the ephemeral API a bare `tokenmill run` starts for itself and stops."""
+    from prefect.settings import PREFECT_API_URL
+
+    return bool(PREFECT_API_URL.value())
+
+
+def prefect_tags() -> dict[str, str]:
+    """The flow run that ran the job: its id always (the ephemeral API keeps it in the local
+    Prefect database that `prefect server start` serves), its UI URL only with a configured API."""
+    from prefect.runtime import flow_run
+
+    if not flow_run.id:
+        return {}
+    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": flow_run.name}
+    if prefect_api_configured() and flow_run.ui_url:
+        tags["prefect.flow_run_url"] = flow_run.ui_url
+    return tags
+
+
+@task(name="open-run", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
+def open_run_task(spec: JobSpec) -> str:
+    """The job's MLflow run, RUNNING from now on; closes runs of this job that a killed
+    process left RUNNING. With an eval gate the model's params wait for its verdict."""
+    from prefect.runtime import flow_run
+
+    params = spec_params(spec, with_model=spec.gate is None)
+    run_id = open_job_run(spec, prefect_tags(), params, run_name=spec.tracking.run_name or flow_run.name)
+    if flow_run.id:
+        _open_runs[str(flow_run.id)] = (spec, run_id)
+    get_run_logger().info("MLflow run %s in experiment %s at %s", run_id, spec.tracking.experiment,
+                          resolve_tracking_uri(spec))
+    return run_id
+
+
+def end_run_hook(flow, flow_run, state) -> None:
+    """on_failure, on_crashed and on_cancellation of the batch flow: its open run ends FAILED
+    (the job raised) or KILLED (crashed or cancelled)."""
+    opened = _open_runs.pop(str(flow_run.id), None)
+    if opened is None:
+        return
+    spec, run_id = opened
+    end_job_run(spec, run_id, "FAILED" if state.is_failed() else "KILLED",
+                f"{state.name}: {state.message or 'no message'}")
 
 
 @task(name="record-run", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
 def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: float,
                     cached_shard_ids: list[str] | None = None, tags: dict[str, str] | None = None,
                     gate_report=None, fleet_metrics: dict[str, float] | None = None,
-                    fleet_workers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The MLflow run and the Prefect artifacts for one finished job; with a fleet, its
-    dispatch rounds, speculative copies and per-worker throughput too."""
+                    fleet_workers: list[dict[str, Any]] | None = None, run_id: str | None = None) -> dict[str, Any]:
+    """The job's totals into its MLflow run (`run_id` from open_run_task; without it, a new
+    run), which ends FINISHED, and the Prefect artifacts; with a fleet, its dispatch rounds,
+    speculative copies and a table of per-worker throughput too."""
+    from prefect.runtime import flow_run
+
     metrics = run_metrics(results, wall_seconds, spec, set(cached_shard_ids or ()), fleet_metrics)
     engine, device = describe_engine(spec)
     params = job_params(spec, engine, resolve_model(spec.model_name), device)
     manifest = build_manifest(spec, results, len(results))
-    run_id = log_run(spec, params, metrics, results, manifest, tags, gate_report, fleet_workers)
+    run_id = log_run(spec, params, metrics, results, manifest, tags, gate_report, fleet_workers, run_id=run_id)
+    if flow_run.id:
+        _open_runs.pop(str(flow_run.id), None)
+    uri = resolve_tracking_uri(spec)
     summary = summary_markdown(spec, metrics, results)
     if gate_report is not None:
         summary += f"\n```\n{gate_report.message()}\n```\n"
-    summary += f"\nMLflow run `{run_id}` in experiment `{spec.tracking.experiment}` at `{spec.tracking.mlflow_tracking_uri}`\n"
+    summary += f"\nMLflow run `{run_id}` in experiment `{spec.tracking.experiment}` at `{uri}`\n"
     create_markdown_artifact(summary, key="tokenmill-summary", description="tokenmill run summary")
     if results:
         create_table_artifact(shard_rows(results), key="tokenmill-shards", description="one row per shard")
     if fleet_workers:
         create_table_artifact(fleet_workers, key="tokenmill-workers", description="one row per worker run")
-    return {"mlflow_run_id": run_id, "metrics": metrics, "summary": summary}
+    return {"mlflow_run_id": run_id, "mlflow_tracking_uri": uri, "metrics": metrics, "summary": summary}

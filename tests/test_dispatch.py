@@ -16,6 +16,7 @@ from tokenmill.dispatch import (
     read_shard_list,
     select_shards,
     worker_rows,
+    worker_summary_metrics,
     write_shard_list,
 )
 from tokenmill.errors import ConfigError
@@ -149,7 +150,18 @@ def test_per_worker_throughput_counts_the_results_each_run_wrote():
     assert [(r["worker"], r["shards_written"], r["tokens_per_s"]) for r in rows] == [("w0", 2, 500.0),
                                                                                   ("w1", 1, 200.0)]
     metrics = fleet_metrics(ledger, rows)
-    assert metrics["worker/w0/tokens_per_s"] == 500.0 and metrics["worker/w1/tokens_per_s"] == 200.0
+    # fixed names, whatever the runs are called: a metric name per worker run would grow without bound
+    assert not [k for k in metrics if k.startswith("worker/")]
+    assert (metrics["worker_tokens_per_s_min"], metrics["worker_tokens_per_s_median"],
+            metrics["worker_tokens_per_s_max"]) == (200.0, 350.0, 500.0)
+
+
+def test_worker_summary_leaves_out_runs_that_wrote_nothing():
+    rows = [{"worker": f"job-r1-w{n}", "tokens_per_s": tps, "shard_seconds": secs}
+            for n, (tps, secs) in enumerate([(500.0, 4.0), (200.0, 3.0), (300.0, 2.0), (0.0, 0.0)])]
+    assert worker_summary_metrics(rows) == {"worker_tokens_per_s_min": 200.0, "worker_tokens_per_s_median": 300.0,
+                                            "worker_tokens_per_s_max": 500.0}
+    assert worker_summary_metrics(rows[3:]) == {}
 
 
 def test_shards_carry_their_size_for_balancing_but_not_in_their_fingerprint(tmp_path):

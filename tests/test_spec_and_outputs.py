@@ -15,7 +15,7 @@ def test_every_field_has_a_default_and_the_default_is_the_demo():
     spec = JobSpec()
     assert spec.mode == "embed" and spec.model_name == "all-MiniLM-L6-v2"
     assert JobSpec(mode="generate").model_name == "SmolLM2-135M-Instruct"
-    assert spec.tracking.mlflow_tracking_uri.startswith("sqlite:///")
+    assert spec.tracking.mlflow_tracking_uri is None  # then $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
 
 
 def test_yaml_loads_and_flags_override_the_file(tmp_path):

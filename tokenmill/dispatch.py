@@ -257,6 +257,16 @@ def fleet_metrics(ledger: DispatchLedger, rows: Sequence[dict]) -> dict[str, flo
         "worker_runs": float(len(ledger.runs)),
         "worker_runs_lost": float(len(lost)),
         "worker_seconds": float(sum(run_seconds(r) for r in ledger.runs.values())),
-        **{f"worker/{row['worker']}/tokens_per_s": float(row["tokens_per_s"]) for row in rows},
+        **worker_summary_metrics(rows),
     }
+
+
+def worker_summary_metrics(rows: Sequence[dict]) -> dict[str, float]:
+    """Worker throughput under fixed metric names (min, median, max over the runs that wrote a
+    shard); the per-run figures go to the workers table, not to a metric name per run."""
+    rates = [float(row["tokens_per_s"]) for row in rows if row["shard_seconds"] > 0]
+    if not rates:
+        return {}
+    return {"worker_tokens_per_s_min": min(rates), "worker_tokens_per_s_median": statistics.median(rates),
+            "worker_tokens_per_s_max": max(rates)}
 
