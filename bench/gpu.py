@@ -244,9 +244,10 @@ def embed_section(args, env, torch, device, minilm: Path, corpus: Path) -> dict:
     from sentence_transformers import SentenceTransformer
 
     from tokenmill.bucketing import padding_stats, plan_batches, restore_order
+    from tokenmill.encoding import encode_rows
     from tokenmill.engines import start_engine
     from tokenmill.models import model_input_limit
-    from tokenmill.runner import encode_rows, run_batches
+    from tokenmill.runner import run_batches
     from tokenmill.spec import JobSpec, ModelSpec
 
     texts = read_texts(corpus, args.docs)
@@ -346,8 +347,9 @@ def embed_section(args, env, torch, device, minilm: Path, corpus: Path) -> dict:
 
 
 def calibrate_section(args, env, torch, device, minilm: Path, corpus: Path, out: Path) -> dict:
-    from tokenmill.calibrate import PeakMemory, calibrate, plot_calibration
+    from tokenmill.calibrate import calibrate, plot_calibration
     from tokenmill.engines import close_engines
+    from tokenmill.memory import PeakMemory
     from tokenmill.spec import JobSpec, ModelSpec
 
     probe = PeakMemory()
@@ -375,9 +377,9 @@ def calibrate_section(args, env, torch, device, minilm: Path, corpus: Path, out:
 
 
 def generate_section(args, env, torch, device, smollm2: Path, corpus: Path) -> dict:
-    from tokenmill.calibrate import PeakMemory
+    from tokenmill.encoding import encode_rows
     from tokenmill.engines import start_engine
-    from tokenmill.runner import encode_rows
+    from tokenmill.memory import PeakMemory
     from tokenmill.sampling import corpus_sample
     from tokenmill.spec import JobSpec, ModelSpec
 

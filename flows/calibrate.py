@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
-from tasks.logs import with_core_logs
-from tasks.storage import with_storage_secrets
+from tokenmill.calibrate import (
+    DEFAULT_BATCH_SIZES,
+    Calibration,
+    calibrate,
+    plot_calibration,
+)
 from tokenmill.engines import engine_scope
-from tokenmill.calibrate import DEFAULT_BATCH_SIZES, Calibration, calibrate, plot_calibration
-from tokenmill.planning import CorpusEstimate, estimate_corpus, make_plan, plan_markdown, plan_metrics
+from tokenmill.flows.results import CalibrationRecord, PlanRecord
+from tokenmill.planning import (
+    CorpusEstimate,
+    estimate_corpus,
+    make_plan,
+    plan_markdown,
+    plan_metrics,
+)
 from tokenmill.spec import JobSpec
+from tokenmill.tasks.logs import with_core_logs
+from tokenmill.tasks.storage import with_storage_secrets
 from tokenmill.tracking import log_stage_run
 
 
@@ -33,7 +44,7 @@ def estimate_corpus_task(spec: JobSpec, sample_rows: int) -> CorpusEstimate:
 
 @flow(name="tokenmill-calibrate")
 def calibrate_flow(spec: JobSpec, batch_sizes: list[int] = list(DEFAULT_BATCH_SIZES), sample_rows: int = 512,
-                   out_dir: str = "calibration") -> dict[str, Any]:
+                   out_dir: str = "calibration") -> CalibrationRecord:
     """Sweep batch sizes on a sample; write calibration.json, calibration.png and batching.yaml to out_dir."""
     logger = get_run_logger()
     with engine_scope():  # the engine ends with the sweep
@@ -55,14 +66,14 @@ def calibrate_flow(spec: JobSpec, batch_sizes: list[int] = list(DEFAULT_BATCH_SI
         steps=[(p.batch_size, {"tokens_per_s": p.tokens_per_s, "usd_per_1m_tokens": p.usd_per_1m_tokens,
                                "seconds_per_call": p.seconds_per_call, "peak_memory_gib": p.peak_memory_gib})
                for p in result.points if p.error is None])
-    return {"calibration": result, "plot": str(plot), "snippet": result.snippet(), "mlflow_run_id": run_id}
+    return CalibrationRecord(calibration=result, plot=str(plot), snippet=result.snippet(), mlflow_run_id=run_id)
 
 
 @flow(name="tokenmill-plan")
 def plan_flow(spec: JobSpec, window_hours: float, tokens_per_s_per_gpu: float | None = None,
               calibration_file: str | None = None, straggler_margin: float = 0.1,
               preemptions_per_gpu_hour: float = 0.05, engine_start_seconds: float = 60.0,
-              sample_rows: int = 512) -> dict[str, Any]:
+              sample_rows: int = 512) -> PlanRecord:
     """GPUs, finish time and dollars for the corpus inside a window; a markdown artifact and an MLflow run."""
     if tokens_per_s_per_gpu is None:
         if not calibration_file:
@@ -83,4 +94,4 @@ def plan_flow(spec: JobSpec, window_hours: float, tokens_per_s_per_gpu: float | 
                                                    "straggler_margin": straggler_margin,
                                                    "preemptions_per_gpu_hour": preemptions_per_gpu_hour},
                            texts={"plan.md": text})
-    return {"plan": text, "metrics": metrics, "mlflow_run_id": run_id}
+    return PlanRecord(plan=text, metrics=metrics, mlflow_run_id=run_id)

@@ -16,7 +16,12 @@ from typing import Any
 
 from prefect import get_client, get_run_logger
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    TaskRunFilter,
+    TaskRunFilterName,
+)
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.filesystems import LocalFileSystem, WritableFileSystem
@@ -24,7 +29,6 @@ from prefect.results import ResultStore
 from prefect.runtime import flow_run as runtime_flow_run
 from prefect.states import Cancelled, Cancelling
 
-from tasks.shards import write_shard_list_task
 from tokenmill.dispatch import (
     DispatchLedger,
     Launch,
@@ -35,9 +39,10 @@ from tokenmill.dispatch import (
     worker_rows,
 )
 from tokenmill.errors import ConfigError, TokenmillError
-from tokenmill.runner import ShardResult, shard_cache_key
+from tokenmill.results import ShardResult, shard_cache_key
 from tokenmill.shards import ShardSpec
 from tokenmill.spec import FleetSpec, JobSpec
+from tokenmill.tasks.shards import write_shard_list_task
 
 
 class FleetIncomplete(TokenmillError):

@@ -5,11 +5,11 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
-from tasks.gate import gate_evaluate_task, gate_sample_task
 from tokenmill.engines import engine_scope
 from tokenmill.errors import TokenmillError
 from tokenmill.gate import GateReport
 from tokenmill.spec import JobSpec
+from tokenmill.tasks.gate import gate_evaluate_task, gate_sample_task
 from tokenmill.tracking import log_gate_run
 
 

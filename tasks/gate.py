@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.logs import with_core_logs
-from tasks.storage import with_storage_secrets
 from tokenmill.gate import GateReport, evaluate, sample_texts
 from tokenmill.spec import JobSpec
+from tokenmill.tasks.logs import with_core_logs
+from tokenmill.tasks.storage import with_storage_secrets
 
 
 @task(name="gate-sample", cache_policy=NONE)

@@ -8,11 +8,12 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
+from pydantic import BaseModel
 
 from tokenmill.engines import describe_engine
 from tokenmill.manifest import build_manifest
 from tokenmill.models import resolve_model
-from tokenmill.runner import ShardResult
+from tokenmill.results import ShardResult
 from tokenmill.spec import JobSpec
 from tokenmill.tracking import (
     end_job_run,
@@ -28,6 +29,16 @@ from tokenmill.tracking import (
 
 # Prefect flow-run id -> (job spec, its open MLflow run): what the failure hooks end.
 _open_runs: dict[str, tuple[JobSpec, str]] = {}
+
+
+
+class JobRecord(BaseModel):
+    """tokenmill-batch: the job's MLflow run, where it went, its figures and its summary."""
+
+    mlflow_run_id: str
+    mlflow_tracking_uri: str
+    metrics: dict[str, float]
+    summary: str
 
 
 def prefect_api_configured() -> bool:
@@ -81,7 +92,7 @@ def end_run_hook(flow, flow_run, state) -> None:
 def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: float,
                     cached_shard_ids: list[str] | None = None, tags: dict[str, str] | None = None,
                     gate_report=None, fleet_metrics: dict[str, float] | None = None,
-                    fleet_workers: list[dict[str, Any]] | None = None, run_id: str | None = None) -> dict[str, Any]:
+                    fleet_workers: list[dict[str, Any]] | None = None, run_id: str | None = None) -> JobRecord:
     """The job's totals into its MLflow run (`run_id` from open_run_task; without it, a new
     run), which ends FINISHED, and the Prefect artifacts; with a fleet, its dispatch rounds,
     speculative copies and a table of per-worker throughput too."""
@@ -104,4 +115,4 @@ def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: flo
         create_table_artifact(shard_rows(results), key="tokenmill-shards", description="one row per shard")
     if fleet_workers:
         create_table_artifact(fleet_workers, key="tokenmill-workers", description="one row per worker run")
-    return {"mlflow_run_id": run_id, "mlflow_tracking_uri": uri, "metrics": metrics, "summary": summary}
+    return JobRecord(mlflow_run_id=run_id, mlflow_tracking_uri=uri, metrics=metrics, summary=summary)

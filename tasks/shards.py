@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from prefect import get_run_logger, task
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NONE, CachePolicy
 from prefect.filesystems import WritableFileSystem
 from prefect.runtime import flow_run as runtime_flow_run
+from prefect.utilities.callables import get_call_parameters
 
-from tasks.logs import with_core_logs
-from tasks.storage import StateStorage, with_storage_secrets
 from tokenmill.audit import reject_cross_shard_duplicates
+from tokenmill.digest import stable_digest
 from tokenmill.dispatch import read_shard_list, write_shard_list
+from tokenmill.engines import engine_scope
 from tokenmill.errors import InputError
 from tokenmill.manifest import build_manifest
-from tokenmill.outputs import MANIFEST, STATE_DIR, OutputStore, move_stale_outputs, remove_leftover_temporaries
-from tokenmill.runner import ShardResult, run_shard, shard_cache_key
+from tokenmill.outputs import (
+    MANIFEST,
+    STATE_DIR,
+    OutputStore,
+    move_stale_outputs,
+    remove_leftover_temporaries,
+)
+from tokenmill.results import ShardResult, shard_cache_key
+from tokenmill.runner import run_shard
 from tokenmill.shards import ShardSpec, discover_shards
 from tokenmill.spec import JobSpec
+from tokenmill.tasks.logs import with_core_logs
+from tokenmill.tasks.storage import StateStorage, with_storage_secrets
 
 
 @task(name="discover-shards", cache_policy=NONE)
@@ -67,17 +76,89 @@ class ShardCachePolicy(CachePolicy):
         return shard_cache_key(inputs["shard"], inputs["spec"])
 
 
-@task(
+class ResumableShardTask(Task):
+    """A shard task that finds its resume storage itself.
+
+    Where a finished shard's result persists depends on the job (beside its outputs, so a
+    new machine pointed at the same output finds it), so it cannot be fixed when the task
+    is defined. Each call, submit or map attaches it from the `spec` argument; a caller
+    that sets `result_storage` with `with_options` keeps theirs.
+    """
+
+    def _resumable(self, args: tuple, kwargs: dict[str, Any]) -> Task:
+        if self.result_storage is not None:
+            return self
+        own = {k: v for k, v in kwargs.items() if k in ("shard", "spec")}  # not return_state, wait_for, ...
+        spec = get_call_parameters(self.fn, args, own)["spec"]
+        spec = getattr(spec, "value", spec)  # unmapped(spec) in a map
+        return self.with_options(result_storage=state_storage(spec))
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        return Task.__call__(self._resumable(args, kwargs), *args, **kwargs)
+
+    def submit(self, *args: Any, **kwargs: Any):
+        return Task.submit(self._resumable(args, kwargs), *args, **kwargs)
+
+    def map(self, *args: Any, **kwargs: Any):
+        return Task.map(self._resumable(args, kwargs), *args, **kwargs)
+
+
+@with_core_logs
+def process_shard(shard: ShardSpec, spec: JobSpec) -> ShardResult:
+    """Read, validate, tokenize, run and write one shard; its result persists beside the outputs."""
+    result = run_shard(shard, with_storage_secrets(spec))
+    return result.model_copy(update={"worker": runtime_flow_run.name or ""})
+
+
+process_shard_task: ResumableShardTask = ResumableShardTask(
+    fn=process_shard,
     name="process-shard",
     task_run_name="shard {shard.shard_id}",
     cache_policy=ShardCachePolicy(),
     persist_result=True,
     result_serializer="json",
 )
-@with_core_logs
-def process_shard_task(shard: ShardSpec, spec: JobSpec) -> ShardResult:
-    result = run_shard(shard, with_storage_secrets(spec))
-    return result.model_copy(update={"worker": runtime_flow_run.name or ""})
+
+
+@dataclass
+class ShardRuns:
+    """What a loop over shards did: results in shard order, ids served from cache, failures."""
+
+    results: list[ShardResult] = field(default_factory=list)
+    cached: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # shard id -> why
+
+
+def run_shards(spec: JobSpec, shards: list[ShardSpec], keep_going: bool = False,
+               on_shard_done: Callable[[ShardResult, bool], None] | None = None) -> ShardRuns:
+    """Each shard as the resumable process-shard task, in order, on this process's engine.
+
+    keep_going=False raises the first shard's error (a local run fails fast); True runs the
+    rest and reports the failures (a fleet worker: its other shards still count).
+    on_shard_done(result, from_cache) runs after each finished shard.
+    """
+    logger = get_run_logger()
+    runs = ShardRuns()
+    with engine_scope():  # the engine ends with the loop, unless the caller holds an outer scope
+        for shard in shards:
+            state = process_shard_task(shard, spec, return_state=True)
+            if not state.is_completed():
+                if not keep_going:
+                    state.result()  # raises the shard's error
+                runs.failed[shard.shard_id] = state.message or state.name
+                logger.error("shard %s: %s", shard.shard_id, runs.failed[shard.shard_id])
+                continue
+            result = state.result()
+            from_cache = state.name == "Cached"
+            runs.results.append(result)
+            if from_cache:
+                runs.cached.append(result.shard_id)
+            if on_shard_done is not None:
+                on_shard_done(result, from_cache)
+            logger.info("shard %s%s: %d rows out, %d rejected (%d/%d shards)", shard.shard_id,
+                        " (cached)" if from_cache else "", result.rows_out, result.rows_rejected,
+                        len(runs.results) + len(runs.failed), len(shards))
+    return runs
 
 
 def state_storage(spec: JobSpec) -> Path | WritableFileSystem:
@@ -92,8 +173,10 @@ def state_storage(spec: JobSpec) -> Path | WritableFileSystem:
     if "://" not in spec.output or spec.output.startswith("file://"):
         return Path(OutputStore(spec.output).path(STATE_DIR))
     basepath = f"{spec.output.rstrip('/')}/{STATE_DIR}"
+    # saved on every call (one API call per shard): a block saved once per process would go
+    # stale when the process talks to another Prefect API
     block = StateStorage(basepath=basepath, settings=spec.storage_options, storage_block=spec.storage_block)
-    block.save(f"tokenmill-state-{hashlib.sha256(basepath.encode()).hexdigest()[:16]}", overwrite=True)
+    block.save(f"tokenmill-state-{stable_digest(basepath, 16)}", overwrite=True)
     return block
 
 

@@ -26,9 +26,9 @@ def corpus(tmp_path_factory):
 
 
 def test_calibrate_plan_and_the_run_record_predicted_against_measured(tmp_path, corpus, embed_spec):
-    from flows.batch import batch_flow
-    from flows.calibrate import calibrate_flow
-    from flows.cli import main
+    from tokenmill.cli import main
+    from tokenmill.flows.batch import batch_flow
+    from tokenmill.flows.calibrate import calibrate_flow
 
     spec = embed_spec(corpus, batching={"max_shard_rows": 300})
     out = tmp_path / "calibration"
@@ -43,7 +43,7 @@ def test_calibrate_plan_and_the_run_record_predicted_against_measured(tmp_path, 
     assert snippet["batching"]["max_batch_size"] == calibration["plateau_batch_size"]
     assert (out / "calibration.png").read_bytes()[:4] == b"\x89PNG"
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
-    run = mlflow.get_run(result["mlflow_run_id"])
+    run = mlflow.get_run(result.mlflow_run_id)
     assert run.data.metrics["calibrate_plateau_batch_size"] == calibration["plateau_batch_size"]
     assert {"calibration.png", "batching.yaml", "calibration.json"} <= {
         a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
@@ -64,7 +64,7 @@ def test_calibrate_plan_and_the_run_record_predicted_against_measured(tmp_path, 
 
     # a batch run with the calibration records predicted against measured, and the padding it avoided
     record = batch_flow(spec.model_copy(update={"calibration": str(out / "calibration.json")}))
-    metrics = mlflow.get_run(record["mlflow_run_id"]).data.metrics
+    metrics = mlflow.get_run(record.mlflow_run_id).data.metrics
     assert metrics["predicted_tokens_per_s"] > 0 and metrics["measured_tokens_per_s"] > 0
     assert metrics["measured_vs_predicted_tokens_per_s"] == pytest.approx(
         metrics["measured_tokens_per_s"] / metrics["predicted_tokens_per_s"])

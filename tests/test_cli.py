@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 def tokenmill(*args, cwd, timeout=600):
     env = dict(os.environ, PREFECT_HOME=str(cwd / ".prefect"))
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

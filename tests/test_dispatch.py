@@ -21,7 +21,7 @@ from tokenmill.dispatch import (
 )
 from tokenmill.errors import ConfigError
 from tokenmill.outputs import OutputStore
-from tokenmill.runner import ShardResult
+from tokenmill.results import ShardResult
 from tokenmill.shards import _finish, discover_shards
 
 

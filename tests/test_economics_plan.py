@@ -2,7 +2,8 @@
 
 import pytest
 
-from tokenmill.economics import FleetPlan, find_cliff, find_plateau, fit_call_time
+from tokenmill.calibrate import find_cliff, find_plateau, fit_call_time
+from tokenmill.planning import FleetPlan
 
 
 def test_the_fit_recovers_known_overhead_and_per_item_cost():

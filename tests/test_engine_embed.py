@@ -6,9 +6,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import TEST_EMBED_MODEL, TEXTS, write_parquet
+from tokenmill.encoding import encode_rows
 from tokenmill.engines import get_engine
 from tokenmill.models import resolve_model
-from tokenmill.runner import encode_rows, run_shard
+from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec
 

@@ -24,7 +24,7 @@ def environment(cwd):
 
 
 def tokenmill(*args, cwd, timeout=900):
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=environment(cwd),
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], cwd=cwd, env=environment(cwd),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -45,7 +45,7 @@ def test_the_flow_closes_its_vllm_engine_when_it_ends(tmp_path, corpus):
     script = textwrap.dedent(f"""
         import json, threading
         import psutil
-        from flows.batch import batch_flow
+        from tokenmill.flows.batch import batch_flow
         from tokenmill.engines import VLLM_CLIENT_THREADS, open_engines
         from tokenmill.spec import JobSpec
 
@@ -68,7 +68,7 @@ def test_the_flow_closes_its_vllm_engine_when_it_ends(tmp_path, corpus):
             alive = [p for p in seen.get("children", []) if psutil.pid_exists(p)
                      and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
             print("RESULT " + json.dumps({{
-                "rows_out": record["metrics"]["rows_out"],
+                "rows_out": record.metrics["rows_out"],
                 "engines": len(open_engines()),
                 "engine_processes_seen": len(seen.get("children", [])),
                 "engine_processes_alive": alive,

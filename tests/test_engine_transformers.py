@@ -5,10 +5,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import TEXTS, write_parquet
+from tokenmill.encoding import encode_rows
 from tokenmill.engines import get_engine
 from tokenmill.hf_engine import read_pooling
 from tokenmill.models import resolve_model
-from tokenmill.runner import encode_rows, run_shard
+from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec, ModelSpec
 

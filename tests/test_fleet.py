@@ -19,7 +19,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 

@@ -10,8 +10,8 @@ import pytest
 from prefect.testing.utilities import prefect_test_harness
 
 from conftest import write_parquet
-from flows.batch import batch_flow
 from tokenmill.errors import InputError
+from tokenmill.flows.batch import batch_flow
 
 pytestmark = pytest.mark.engine
 
@@ -75,7 +75,7 @@ def test_batch_flow_writes_outputs_rejects_manifest_and_run_record(tmp_path, cor
     assert totals["rows_rejected"] == 3 + 2 and all(s["fingerprint"] for s in manifest["shards"])
 
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
-    run = mlflow.get_run(record["mlflow_run_id"])
+    run = mlflow.get_run(record.mlflow_run_id)
     for name in RUN_METRICS:
         assert name in run.data.metrics, name
     metrics = run.data.metrics
@@ -138,7 +138,7 @@ def test_input_and_output_on_s3(tmp_path, corpus, embed_spec, s3_server):
     ids = pq.read_table("corpus-bucket/embeddings", filesystem=fs).column("id").to_pylist()
     assert set(ids) == all_input_ids() - {"b1", "b2"}
     # the endpoint and credentials stay out of the run record
-    params = mlflow.get_run(record["mlflow_run_id"]).data.params
+    params = mlflow.get_run(record.mlflow_run_id).data.params
     assert not any(s3_server in str(v) or "testing-secret" in str(v) for v in params.values())
 
 
@@ -247,7 +247,7 @@ def test_s3_credentials_and_endpoint_from_a_prefect_secret_block(tmp_path, corpu
     record = state.result()
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
     stored = asyncio.run(_stored_documents(state.state_details.flow_run_id))
-    params = mlflow.get_run(record["mlflow_run_id"]).data.params
+    params = mlflow.get_run(record.mlflow_run_id).data.params
     for kept in (stored, json.dumps(params)):
         assert "block-secret-value" not in kept and s3_server not in kept
     assert "tokenmill-test-s3" in stored  # the state storage block names the secret, and only names it

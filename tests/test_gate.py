@@ -11,11 +11,11 @@ import pytest
 from prefect.testing.utilities import prefect_test_harness
 
 from conftest import TEST_EMBED_MODEL, TEST_GENERATE_MODEL, write_parquet
-from tokenmill.engines import Generation
+from tokenmill.engine_protocol import Generation
 from tokenmill.errors import ConfigError
 from tokenmill.gate import embedding_agreement, generation_agreement, neighbour_overlap, sample_texts, thresholds_for
 from tokenmill.models import resolve_model
-from tokenmill.spec import JobSpec, ModelSpec
+from tokenmill.spec import JobSpec
 
 REFERENCE_EMBED = {"name": "all-MiniLM-L6-v2", "engine": "transformers"}
 QUESTIONS = [
@@ -154,13 +154,13 @@ def embed_corpus(tmp_path):
 
 @pytest.mark.engine
 def test_embed_gate_passes_a_matching_candidate_and_the_corpus_runs_with_it(tmp_path, embed_corpus, embed_spec):
-    from flows.batch import batch_flow
+    from tokenmill.flows.batch import batch_flow
 
     spec = embed_spec(embed_corpus, model=TEST_EMBED_MODEL,  # candidate: the same MiniLM on vLLM
                       gate={"reference": REFERENCE_EMBED, "sample_rows": 64})
     record = batch_flow(spec)
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
-    run = mlflow.get_run(record["mlflow_run_id"])
+    run = mlflow.get_run(record.mlflow_run_id)
     assert run.data.params["gate_action"] == "candidate" and run.data.params["engine"] == "vllm"
     metrics = run.data.metrics
     assert metrics["gate_passed"] == 1.0 and metrics["gate_cosine_mean"] >= 0.999
@@ -174,8 +174,8 @@ def test_embed_gate_passes_a_matching_candidate_and_the_corpus_runs_with_it(tmp_
 @pytest.mark.engine
 def test_embed_gate_fails_a_damaged_candidate_with_each_metric_against_its_threshold(
         tmp_path, embed_corpus, embed_spec, damaged_minilm):
-    from flows.batch import batch_flow
-    from flows.gate import GateFailed
+    from tokenmill.flows.batch import batch_flow
+    from tokenmill.flows.gate import GateFailed
 
     spec = embed_spec(embed_corpus, model={"name": damaged_minilm, "engine": "transformers"},
                       gate={"reference": REFERENCE_EMBED, "sample_rows": 64})
@@ -195,13 +195,13 @@ def test_embed_gate_fails_a_damaged_candidate_with_each_metric_against_its_thres
 @pytest.mark.engine
 def test_embed_gate_use_reference_runs_the_corpus_with_the_reference(tmp_path, embed_corpus, embed_spec,
                                                                      damaged_minilm):
-    from flows.batch import batch_flow
+    from tokenmill.flows.batch import batch_flow
 
     spec = embed_spec(embed_corpus, model={"name": damaged_minilm, "engine": "transformers"},
                       gate={"reference": REFERENCE_EMBED, "sample_rows": 64, "on_fail": "use_reference"})
     record = batch_flow(spec)
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
-    run = mlflow.get_run(record["mlflow_run_id"])
+    run = mlflow.get_run(record.mlflow_run_id)
     assert run.data.params["gate_action"] == "reference"
     assert run.data.params["model"] == "all-MiniLM-L6-v2" and run.data.metrics["gate_passed"] == 0.0
     # the corpus really ran on the reference: its vectors match the reference model's
@@ -233,7 +233,7 @@ def generate_spec(tmp_path, questions, model, **gate):
 
 @pytest.mark.engine
 def test_generate_gate_passes_the_same_model_on_vllm(tmp_path, questions):
-    from flows.gate import gate_flow
+    from tokenmill.flows.gate import gate_flow
 
     report = gate_flow(generate_spec(tmp_path, questions, TEST_GENERATE_MODEL))
     assert report.passed, report.message()
@@ -245,8 +245,8 @@ def test_generate_gate_passes_the_same_model_on_vllm(tmp_path, questions):
 @pytest.mark.engine
 def test_generate_gate_fails_a_damaged_model_and_use_reference_runs_the_reference(tmp_path, questions,
                                                                                    damaged_smollm2):
-    from flows.batch import batch_flow
-    from flows.gate import GateFailed, gate_flow
+    from tokenmill.flows.batch import batch_flow
+    from tokenmill.flows.gate import GateFailed, gate_flow
 
     damaged = {"name": damaged_smollm2, "engine": "transformers"}
     with pytest.raises(GateFailed, match=r"exact_match = 0\.\d+ < 0\.6000 FAIL"):
@@ -255,7 +255,7 @@ def test_generate_gate_fails_a_damaged_model_and_use_reference_runs_the_referenc
     spec = generate_spec(tmp_path, questions, damaged, on_fail="use_reference")
     record = batch_flow(spec)
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
-    run = mlflow.get_run(record["mlflow_run_id"])
+    run = mlflow.get_run(record.mlflow_run_id)
     assert run.data.params["gate_action"] == "reference" and run.data.params["engine"] == "transformers"
     answers = pq.read_table(tmp_path / "out").to_pydict()
     assert "paris" in answers["output_text"][0].lower()  # the reference answers; the damaged one would not

@@ -23,8 +23,7 @@ if str(ROOT) not in sys.path:  # bench/ is not an installed package; `python -m 
     sys.path.insert(0, str(ROOT))
 
 from bench.gpu import datasheet_peak, render  # noqa: E402
-from bench.gpu_kit import (  # noqa: E402
-    DEVICE_HAS, KIT_PACKAGES, canonical, join_gguf, split_gguf, write_corpus, write_minilm_fp16)
+from bench.gpu_kit import DEVICE_HAS, KIT_PACKAGES, canonical, join_gguf, split_gguf, write_corpus, write_minilm_fp16  # noqa: E402
 
 
 def _env() -> dict[str, str]:

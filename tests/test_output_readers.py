@@ -25,7 +25,7 @@ import pytest
 from prefect.testing.utilities import prefect_test_harness
 
 from conftest import write_parquet
-from flows.batch import batch_flow
+from tokenmill.flows.batch import batch_flow
 from tokenmill.outputs import TEMP_DIR, OutputStore, remove_leftover_temporaries, writer_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -263,7 +263,7 @@ def test_outputs_of_an_earlier_sharding_move_to_stale(tmp_path, spec, corpus):
 
     # back to the first sharding: its shards run again, since their outputs are stale
     record = batch_flow(spec(max_shard_rows=20))
-    assert record["metrics"]["shards_cached"] == 0
+    assert record.metrics["shards_cached"] == 0
     assert_readers_see_exactly(out, expected_ids("a"))
     assert {p.stem for p in out.glob("*.parquet")} == gone
 

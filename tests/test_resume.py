@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import write_parquet
-from tokenmill.runner import shard_cache_key
+from tokenmill.results import shard_cache_key
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec, ModelSpec
 
@@ -98,7 +98,7 @@ def write_corpus(tmp_path, rows):
 
 
 def cli_args(corpus, output, tracking_db):
-    args = [sys.executable, "-m", "flows.cli", "run", "--input", str(corpus), "--output", output.uri,
+    args = [sys.executable, "-m", "tokenmill.cli", "run", "--input", str(corpus), "--output", output.uri,
             "--max-shard-rows", "100", "--tracking-uri", f"sqlite:///{tracking_db}", "--no-progress",
             "--set", "model.engine_kwargs={gpu_memory_utilization: 0.1}"]
     if output.options:

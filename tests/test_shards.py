@@ -1,7 +1,5 @@
 import json
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from conftest import write_parquet

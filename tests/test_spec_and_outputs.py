@@ -4,10 +4,10 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from flows.cli import build_parser, spec_from_args
+from tokenmill.cli import build_parser, spec_from_args
 from tokenmill.manifest import build_manifest
 from tokenmill.outputs import OutputStore, rejects_table
-from tokenmill.runner import ShardResult
+from tokenmill.results import ShardResult
 from tokenmill.spec import JobSpec
 
 

@@ -98,11 +98,12 @@ def test_storage_io_has_one_retry_layer():
     Prefect tasks around it add none, so a failing call is made IO_ATTEMPTS times, not 5 x 6."""
     from prefect import Task
 
-    import flows.calibrate
-    import tasks.gate
-    import tasks.shards
+    import tokenmill.flows.calibrate
+    import tokenmill.tasks.gate
+    import tokenmill.tasks.shards
 
-    storage_tasks = [obj for module in (tasks.shards, tasks.gate, flows.calibrate) for obj in vars(module).values()
+
+    storage_tasks = [obj for module in (tokenmill.tasks.shards, tokenmill.tasks.gate, tokenmill.flows.calibrate) for obj in vars(module).values()
                      if isinstance(obj, Task)]
     assert {t.name for t in storage_tasks} >= {"discover-shards", "process-shard", "write-manifest",
                                                  "reject-cross-shard-duplicates", "gate-sample", "estimate-corpus"}

@@ -4,7 +4,6 @@ the tags and params that say what produced the outputs. MLflow is real (SQLite s
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -14,7 +13,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import mlflow
 import pytest
 from mlflow import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
@@ -198,8 +196,8 @@ def _corpus(root: Path, files: int = 1, rows: int = 60, row_group_size: int = 20
 
 
 def test_the_job_run_opens_at_the_start_and_grows_shard_by_shard(tmp_path, monkeypatch, prefect_server):
-    from flows.batch import batch_flow
     from tokenmill import progress
+    from tokenmill.flows.batch import batch_flow
 
     _corpus(tmp_path / "corpus")
     env_uri = f"sqlite:///{tmp_path}/from-env.db"
@@ -223,8 +221,8 @@ def test_the_job_run_opens_at_the_start_and_grows_shard_by_shard(tmp_path, monke
 
     client = MlflowClient(tracking_uri=env_uri)
     [run] = _runs(env_uri)
-    assert run.info.run_id == record["mlflow_run_id"] and run.info.status == "FINISHED"
-    assert record["mlflow_tracking_uri"] == env_uri
+    assert run.info.run_id == record.mlflow_run_id and run.info.status == "FINISHED"
+    assert record.mlflow_tracking_uri == env_uri
     for name in ("progress/shards_done", "progress/rows", "progress/tokens", "progress/tokens_per_s"):
         history = client.get_metric_history(run.info.run_id, name)
         assert sorted(m.step for m in history) == [1, 2, 3], name
@@ -251,8 +249,8 @@ def test_the_job_run_opens_at_the_start_and_grows_shard_by_shard(tmp_path, monke
 
 
 def test_a_job_that_fails_ends_its_run_failed(tmp_path, prefect_server):
-    from flows.batch import batch_flow
     from tokenmill.errors import InputError
+    from tokenmill.flows.batch import batch_flow
 
     (tmp_path / "corpus").mkdir()
     write_parquet(tmp_path / "corpus" / "part-0.parquet", ["x"], ["y"])
@@ -274,7 +272,7 @@ def test_a_killed_job_is_closed_killed_and_the_next_run_links_to_it_and_resumes(
     client.create_experiment("tests")  # the store exists before two processes open it
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_TRACKING"))}
     env.update(PREFECT_HOME=str(tmp_path / ".prefect"), MLFLOW_TRACKING_URI=uri)  # the URI from the environment
-    args = [sys.executable, "-m", "flows.cli", "run", "--input", str(tmp_path / "corpus"), "--output",
+    args = [sys.executable, "-m", "tokenmill.cli", "run", "--input", str(tmp_path / "corpus"), "--output",
             str(tmp_path / "out"), "--engine", "transformers", "--max-shard-rows", "30", "--experiment", "tests",
             "--no-progress"]
     first = subprocess.Popen(args, cwd=tmp_path, env=env, start_new_session=True,

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from tokenmill.errors import TokenmillError
 from tokenmill.outputs import OutputStore, rejects_table
-from tokenmill.runner import ShardResult
+from tokenmill.results import ShardResult
 from tokenmill.shards import ROW_NUMBER, ShardSpec, read_shard
 from tokenmill.spec import JobSpec
 from tokenmill.storage import retry_io

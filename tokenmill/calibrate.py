@@ -12,18 +12,20 @@ from b and the sample's long rows; for the transformers engine b is the batch si
 
 from __future__ import annotations
 
-import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel
 
-from tokenmill.economics import LinearFit, RunCost, find_cliff, find_plateau, fit_call_time
-from tokenmill.engines import get_engine, run_engine
+from tokenmill.economics import RunCost
+from tokenmill.encoding import encode_rows
+from tokenmill.engine_protocol import run_engine
+from tokenmill.engines import get_engine
+from tokenmill.memory import PeakMemory
 from tokenmill.models import resolve_model
-from tokenmill.runner import encode_rows
 from tokenmill.sampling import corpus_sample
 from tokenmill.spec import JobSpec
 
@@ -152,72 +154,6 @@ def _call(engine, batch: list[list[int]], job: JobSpec) -> int:
     return sum(g.output_tokens for g in outputs) if job.mode == "generate" else 0
 
 
-class PeakMemory:
-    """Peak memory while the block runs.
-
-    With no pid: GPU memory allocated where there is a GPU, else the resident memory of
-    this process and its children (vLLM's engine runs in a child). With a pid: the resident
-    memory of that process and its children, sampled until the block ends; `peak_root_bytes`
-    is that process alone."""
-
-    def __init__(self, pid: int | None = None, interval: float = 0.05):
-        self.pid = pid
-        self.interval = interval
-        self.peak_bytes = 0
-        self.peak_root_bytes = 0
-        self._stop = threading.Event()
-
-    def __enter__(self) -> "PeakMemory":
-        import torch
-
-        self.cuda = self.pid is None and torch.cuda.is_available()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.cuda:
-            import torch
-
-            self.peak_bytes = torch.cuda.max_memory_allocated()
-        else:
-            self._stop.set()
-            self._thread.join()
-
-    def _sample(self) -> None:
-        import psutil
-
-        try:
-            root = psutil.Process(self.pid)
-        except psutil.Error:
-            return
-        while not self._stop.is_set():
-            try:
-                tree = [root] + root.children(recursive=True)
-                self.peak_root_bytes = max(self.peak_root_bytes, root.memory_info().rss)
-            except psutil.Error:
-                tree = []
-            total = 0
-            for proc in tree:
-                try:
-                    total += proc.memory_info().rss
-                except psutil.Error:
-                    pass
-            self.peak_bytes = max(self.peak_bytes, total)
-            self._stop.wait(self.interval)
-
-    @property
-    def peak_gib(self) -> float:
-        return self.peak_bytes / 2**30
-
-    @property
-    def peak_root_gib(self) -> float:
-        return self.peak_root_bytes / 2**30
-
-
 def plot_calibration(calibration: Calibration, path: Path) -> Path:
     """tokens/s and $/1M tokens against batch size, with the fit and the plateau marked."""
     import matplotlib
@@ -254,3 +190,73 @@ def plot_calibration(calibration: Calibration, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# --- fits: how throughput grows with batch size ---
+
+@dataclass(frozen=True)
+class LinearFit:
+    """Seconds per engine call t(b) = overhead + per_item * b."""
+
+    overhead: float
+    per_item: float
+    r2: float
+
+    def seconds(self, batch_size: float) -> float:
+        return self.overhead + self.per_item * batch_size
+
+    def items_per_s(self, batch_size: float) -> float:
+        return batch_size / self.seconds(batch_size)
+
+
+def fit_call_time(batch_sizes: list[float], seconds_per_call: list[float]) -> LinearFit:
+    """Fit t(b) = o + c*b by least squares on relative error (weights 1/t^2).
+
+    Call times span orders of magnitude across a sweep; plain least squares would let the
+    largest batches decide the intercept alone, and the overhead shows only at small ones."""
+    n = len(batch_sizes)
+    if n < 2:
+        raise ValueError("a fit needs at least two batch sizes")
+    if len(set(batch_sizes)) < 2:
+        raise ValueError("a fit needs at least two different batch sizes")
+    weights = [1.0 / t**2 if t > 0 else 1.0 for t in seconds_per_call]
+    total_w = sum(weights)
+    mean_b = sum(w * b for w, b in zip(weights, batch_sizes)) / total_w
+    mean_t = sum(w * t for w, t in zip(weights, seconds_per_call)) / total_w
+    sxx = sum(w * (b - mean_b) ** 2 for w, b in zip(weights, batch_sizes))
+    sxy = sum(w * (b - mean_b) * (t - mean_t) for w, b, t in zip(weights, batch_sizes, seconds_per_call))
+    per_item = sxy / sxx
+    overhead = mean_t - per_item * mean_b
+    total = sum(w * (t - mean_t) ** 2 for w, t in zip(weights, seconds_per_call))
+    residual = sum(w * (t - (overhead + per_item * b)) ** 2 for w, b, t in zip(weights, batch_sizes, seconds_per_call))
+    return LinearFit(overhead=overhead, per_item=per_item, r2=1 - residual / total if total > 0 else 1.0)
+
+
+def find_plateau(batch_sizes: list[int], tokens_per_s: list[float], gain: float = 0.05) -> int:
+    """The smallest batch size beyond which doubling gains less than `gain` (5%): no larger
+    size measured beats it by `gain` or more, so one flat step in noisy measurements does
+    not end the search early. With no plateau in range, the largest size measured."""
+    pairs = sorted(zip(batch_sizes, tokens_per_s))
+    for index, (size, rate) in enumerate(pairs):
+        later = [r for _, r in pairs[index + 1:]]
+        if later and max(later) < rate * (1 + gain):
+            return size
+    return pairs[-1][0]
+
+
+def find_cliff(batch_sizes: list[int], tokens_per_s: list[float], failed: dict[int, str] | None = None,
+               drop: float = 0.05) -> tuple[int | None, str]:
+    """The first batch size where memory ran out (the call failed) or throughput fell by more
+    than `drop` against the best smaller size. (None, '') when there is none in range."""
+    failures = sorted((failed or {}).items())
+    best = 0.0
+    for size, rate in sorted(zip(batch_sizes, tokens_per_s)):
+        if failures and failures[0][0] < size:
+            break
+        if best and rate < best * (1 - drop):
+            return size, f"throughput falls to {rate:,.0f} tokens/s from {best:,.0f}"
+        best = max(best, rate)
+    if failures:
+        size, reason = failures[0]
+        return size, f"out of memory or failed: {reason}"
+    return None, ""

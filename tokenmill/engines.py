@@ -8,15 +8,16 @@ many shards.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.spec import GenerationParams, JobSpec
 
 log = logging.getLogger(__name__)
@@ -28,30 +29,6 @@ CPU_MEMORY_SHARE = 0.3
 # (vllm/v1/engine/core_client.py); close() waits for them.
 VLLM_CLIENT_THREADS = ("EngineCoreOutputQueueThread", "MPClientEngineMonitor")
 ENGINE_THREAD_JOIN_SECONDS = 30.0
-
-
-@dataclass(frozen=True)
-class Generation:
-    text: str
-    output_tokens: int
-    finish_reason: str | None
-
-
-class Engine(Protocol):
-    name: str
-
-    def embed(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]: ...
-
-    def generate(self, batch: Sequence[Sequence[int]], params: GenerationParams) -> list[Generation]: ...
-
-    def close(self) -> None: ...
-
-
-def run_engine(engine: Engine, batch: Sequence[Sequence[int]], spec: JobSpec) -> list:
-    """One engine call for the job's mode: vectors (embed) or Generations (generate)."""
-    if spec.mode == "embed":
-        return engine.embed(batch)
-    return engine.generate(batch, spec.generation)
 
 
 class VLLMEngine:
@@ -155,6 +132,7 @@ def get_engine(model_path: str, spec: JobSpec) -> Engine:
 
 def start_engine(model_path: str, spec: JobSpec) -> Engine:
     """A new engine of the kind the model spec names."""
+    _close_engines_before_exit()
     if spec.model.engine == "transformers":
         from tokenmill.hf_engine import TransformersEngine
 
@@ -183,6 +161,19 @@ def close_engines() -> None:
         _engines.clear()
     for engine in engines:
         engine.close()
+
+
+_exit_hook_registered = False
+
+
+def _close_engines_before_exit() -> None:
+    """Engines still open when the interpreter exits (a task called outside our flows, a
+    notebook) are closed by an exit hook that runs before vLLM's own finalizers (exit hooks
+    run last-registered first), so their threads end while the interpreter is whole."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(close_engines)
+        _exit_hook_registered = True
 
 
 def open_engines() -> list[Engine]:

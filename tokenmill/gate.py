@@ -18,10 +18,12 @@ from pydantic import BaseModel
 
 from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.economics import RunCost
-from tokenmill.engines import Engine, discard_engine, engine_key, get_engine
+from tokenmill.encoding import encode_rows
+from tokenmill.engine_protocol import Engine
+from tokenmill.engines import discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
 from tokenmill.models import resolve_model
-from tokenmill.runner import encode_rows, run_batches
+from tokenmill.runner import run_batches
 from tokenmill.sampling import corpus_sample
 from tokenmill.spec import GateSpec, JobSpec, ModelSpec
 

@@ -113,7 +113,7 @@ class TransformersEngine:
         return list(pooled.cpu().numpy())
 
     def generate(self, batch: Sequence[Sequence[int]], params: GenerationParams):
-        from tokenmill.engines import Generation
+        from tokenmill.engine_protocol import Generation
 
         torch = self.torch
         input_ids, mask = self._padded(batch, "left")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Iterable
 
-from tokenmill.runner import OUTPUT_FORMAT_VERSION, ShardResult
+from tokenmill.results import OUTPUT_FORMAT_VERSION, ShardResult
 from tokenmill.spec import JobSpec
 
 

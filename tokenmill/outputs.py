@@ -39,9 +39,11 @@ import time
 import uuid
 from typing import Any, Iterable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tokenmill.spec import JobSpec
 from tokenmill.storage import retry_io, url_to_fs
 
 MANIFEST = "_manifest.json"
@@ -370,3 +372,27 @@ def rejects_table(shard_id: str, uri: str, rows: list[tuple[int, object, str]], 
 def _protocols(fs) -> tuple[str, ...]:
     protocol = fs.protocol
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def build_output(valid: pa.Table, spec: JobSpec, results: list, lengths: list[int], truncated: list[bool]) -> pa.Table:
+    columns: dict[str, pa.Array] = {"id": valid.column(spec.id_column).combine_chunks()}
+    if spec.mode == "embed":
+        columns["embedding"] = _embedding_array(results)
+        output_tokens = [0] * len(results)
+    else:
+        columns["output_text"] = pa.array([g.text for g in results], pa.string())
+        output_tokens = [g.output_tokens for g in results]
+    columns["input_tokens"] = pa.array(lengths, pa.int32())
+    columns["output_tokens"] = pa.array(output_tokens, pa.int32())
+    columns["truncated"] = pa.array(truncated, pa.bool_())
+    if spec.mode == "generate":
+        columns["finish_reason"] = pa.array([g.finish_reason for g in results], pa.string())
+    return pa.table(columns)
+
+
+def _embedding_array(vectors: list[np.ndarray]) -> pa.Array:
+    if not vectors:
+        return pa.array([], pa.list_(pa.float32()))
+    matrix = np.ascontiguousarray(np.stack(vectors), dtype=np.float32)
+    offsets = pa.array(np.arange(0, matrix.size + 1, matrix.shape[1], dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1)))

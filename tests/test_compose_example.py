@@ -1,0 +1,42 @@
+"""The README's "Compose your own flow" example, run as the README shows it."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import TEXTS, write_parquet
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def compose_example() -> str:
+    section = README.read_text().split("## Compose your own flow", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    return code
+
+
+def test_the_example_uses_only_the_public_surface():
+    code = compose_example()
+    assert "from tokenmill.tasks import" in code and "tokenmill.tasks." not in code.replace("from tokenmill.tasks import", "")
+
+
+@pytest.mark.engine
+def test_the_compose_example_runs_and_resumes(tmp_path):
+    near_copy = "  " + TEXTS[0].upper()  # the same document ingested twice, under another id
+    write_parquet(tmp_path / "docs.parquet", [f"d{i}" for i in range(len(TEXTS) + 1)], TEXTS + [near_copy])
+    (tmp_path / "example.py").write_text(compose_example())
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / ".prefect"), HF_HUB_OFFLINE="1")
+    args = [sys.executable, "example.py", str(tmp_path / "docs.parquet"), str(tmp_path / "emb"), str(tmp_path / "keep.parquet")]
+    for attempt in range(2):  # the second run resumes: every shard comes from the persisted results
+        done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"kept {len(TEXTS)}" in done.stdout
+        keep = pq.read_table(tmp_path / "keep.parquet").column("id").to_pylist()
+        assert f"d{len(TEXTS)}" not in keep and len(keep) == len(TEXTS)  # the near copy of d0 is dropped
+        assert pq.read_table(tmp_path / "emb").num_rows == len(TEXTS) + 1
+    assert "Cached" in done.stderr + done.stdout

@@ -1,0 +1,63 @@
+"""What a finished shard reports, and the key its result is found again by."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from tokenmill.bucketing import PaddingStats
+from tokenmill.digest import stable_digest
+from tokenmill.shards import ShardSpec
+from tokenmill.spec import JobSpec
+
+OUTPUT_FORMAT_VERSION = 1
+
+
+class ShardResult(BaseModel):
+    shard_id: str
+    fingerprint: str
+    uri: str
+    output: str
+    rows_in: int
+    rows_out: int
+    rows_rejected: int
+    rows_truncated: int
+    input_tokens: int
+    output_tokens: int
+    batches: int
+    real_tokens: int  # tokens the engine saw (= input_tokens)
+    padded_slots: int  # rows x longest row, over our length-bucketed batches
+    baseline_padded_slots: int  # the same, over fixed-size batches in input order
+    engine_seconds: float
+    seconds: float
+    format_version: int = OUTPUT_FORMAT_VERSION
+    worker: str = ""  # the flow run that wrote this result: a fleet's throughput per worker
+
+    @property
+    def padding_fraction(self) -> float:
+        return PaddingStats(self.real_tokens, self.padded_slots).padding_fraction
+
+    @property
+    def baseline_padding_fraction(self) -> float:
+        return PaddingStats(self.real_tokens, self.baseline_padded_slots).padding_fraction
+
+
+def shard_cache_key(shard: ShardSpec, spec: JobSpec) -> str:
+    """What a shard's output depends on, and nothing else.
+
+    Not the code's source text (a comment edit must not redo a ten-hour job) and not
+    the batching settings (they change speed, not results). The output location is
+    in, so one job's finished shards never stand in for another's.
+    """
+    identity = {
+        "fingerprint": shard.fingerprint,
+        "mode": spec.mode,
+        "model": spec.model_name,
+        "model_spec": spec.model.model_dump(mode="json", exclude={"name"}),
+        "generation": spec.generation.model_dump(mode="json") if spec.mode == "generate" else None,
+        "columns": [spec.id_column, spec.text_column],
+        "overlong": spec.overlong,
+        "output": spec.output.rstrip("/"),
+        "format_version": OUTPUT_FORMAT_VERSION,
+    }
+    digest = stable_digest(identity, 32)
+    return f"{shard.shard_id}-{digest}"
