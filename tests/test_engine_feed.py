@@ -92,6 +92,8 @@ def test_vllm_gets_the_shard_in_input_order_chunks_and_a_padding_engine_gets_buc
     assert [len(c) for c in chunks] == [FEED_CHUNK_ROWS, FEED_CHUNK_ROWS, 5]
     assert [i for c in chunks for i in c] == list(range(len(many)))
     assert plan_feed([], spec, "vllm") == []
+    # embeddings keep the buckets on vLLM too (one call per shard measured no faster)
+    assert plan_feed(lengths, spec.model_copy(update={"mode": "embed"}), "vllm") == buckets
     # the record: vLLM spends no slot on padding; a padding engine spends rows x longest per bucket
     unpadded = feed_padding(lengths, [list(range(len(lengths)))], "vllm")
     assert unpadded.real_tokens == unpadded.padded_slots == sum(lengths)
