@@ -26,7 +26,6 @@ file) move to _stale/, so they are never read as part of the result nor reused.
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import logging
@@ -34,7 +33,6 @@ import os
 import posixpath
 import re
 import shutil
-import socket
 import time
 import uuid
 from typing import Any, Iterable
@@ -43,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tokenmill.processes import ProcessIdentity, is_gone
 from tokenmill.spec import JobSpec
 from tokenmill.storage import retry_io, url_to_fs
 
@@ -151,14 +150,15 @@ def writer_name() -> str:
     """This process, as its folder under _tmp/ names it: host, PID namespace, PID and the
     process's start time, so a clean-up on the same host can tell a live writer from one
     that is gone, even when its PID has been given to a new process."""
-    return _writer_name(os.getpid())
+    me = ProcessIdentity.current()
+    return f"{_place(me)}.{me.pid}.{me.start_time or '0'}"
 
 
-@functools.lru_cache(maxsize=4)
-def _writer_name(pid: int) -> str:
-    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
-    _, started = _process_stat(pid) or ("", "0")
-    return f"{host}.{_pid_namespace()}.{pid}.{started}"
+def _place(process: ProcessIdentity) -> str:
+    """Host and PID namespace as a folder name has them: `<host, made safe>.<namespace digits>`."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", process.host or "") or "host"
+    namespace = "".join(c for c in process.pid_namespace or "" if c.isdigit()) or "0"
+    return f"{host}.{namespace}"
 
 
 def remove_leftover_temporaries(store: OutputStore, max_age_seconds: float = TEMP_MAX_AGE_SECONDS) -> list[str]:
@@ -179,13 +179,12 @@ def remove_leftover_temporaries(store: OutputStore, max_age_seconds: float = TEM
             if _OLD_TEMPORARY.search(name) and os.path.isfile(path):
                 _remove_quietly(path)
                 removed.append(path)
-    here = _writer_name(os.getpid()).rsplit(".", 2)[0]
     oldest = time.time() - max_age_seconds
     temporaries = store.path(TEMP_DIR)
     for writer in _names(temporaries):
         folder = posixpath.join(temporaries, writer)
         files = [posixpath.join(dirpath, name) for dirpath, _, names in os.walk(folder) for name in names]
-        if _writer_gone(writer, here):
+        if _writer_gone(writer):
             shutil.rmtree(folder, ignore_errors=True)
             removed += files
             continue
@@ -315,43 +314,14 @@ def _modified(path: str) -> float:
         return float("inf")  # gone already: nothing to remove
 
 
-def _writer_gone(writer: str, here: str) -> bool:
-    """Whether the process a _tmp/ folder names ran in this host's PID namespace and has ended."""
+def _writer_gone(writer: str) -> bool:
+    """Whether the process a _tmp/ folder names ran in this host's PID namespace and has ended
+    (a zombie, or another process on its PID, counts as ended)."""
     parts = writer.rsplit(".", 2)
-    if len(parts) != 3 or parts[0] != here or not parts[1].isdigit():
-        return False
-    pid, started = int(parts[1]), parts[2]
-    stat = _process_stat(pid)
-    if stat is not None:
-        state, now_started = stat
-        return state in ("Z", "X") or now_started != started  # a zombie, or another process on that PID
-    if os.path.isdir("/proc/self"):
-        return True  # /proc works here and has no such process
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def _process_stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time in clock ticks since boot) from /proc, or None where there is no such
-    process or no /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], fields[19]
-
-
-def _pid_namespace() -> str:
-    try:
-        return "".join(c for c in os.readlink("/proc/self/ns/pid") if c.isdigit()) or "0"
-    except OSError:
-        return "0"
+    me = ProcessIdentity.current()
+    if len(parts) != 3 or parts[0] != _place(me) or not parts[1].isdigit():
+        return False  # another host or PID namespace (or not a writer's folder): only age tells
+    return is_gone(ProcessIdentity(me.host, me.pid_namespace, int(parts[1]), parts[2])) is True
 
 
 def rejects_table(shard_id: str, uri: str, rows: list[tuple[int, object, str]], by_byte_offset: bool) -> pa.Table:

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import subprocess
 import tempfile
 import threading
@@ -30,6 +29,7 @@ from tokenmill.bucketing import PaddingStats
 from tokenmill.calibrate import Calibration
 from tokenmill.economics import RunCost
 from tokenmill.errors import ConfigError
+from tokenmill.processes import ProcessIdentity, is_gone
 from tokenmill.results import ShardResult
 from tokenmill.spec import JobSpec
 
@@ -491,52 +491,23 @@ def _nvml_device_name() -> str | None:
 
 
 def _process_tags() -> dict[str, str | None]:
-    stat = _proc_stat(os.getpid())
-    return {HOST: socket.gethostname(), PID: str(os.getpid()), PID_NAMESPACE: _pid_namespace(),
-            PROCESS_START: stat[1] if stat else None}
-
-
-def _pid_namespace() -> str | None:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time in clock ticks since boot) from /proc; None where there is no /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], fields[19]
+    me = ProcessIdentity.current()
+    return {HOST: me.host, PID: str(me.pid), PID_NAMESPACE: me.pid_namespace, PROCESS_START: me.start_time}
 
 
 def _owner_alive(run) -> bool | None:
     """Whether the process that opened a run still runs; None when it is on another machine
-    (or another PID namespace) and only its heartbeat can tell."""
+    (or another PID namespace) and only its heartbeat can tell. A run whose tags carry no
+    start time (an older tokenmill) counts as its PID's."""
     tags = run.data.tags
-    if tags.get(HOST) != socket.gethostname() or tags.get(PID_NAMESPACE) != _pid_namespace():
-        return None
     try:
-        pid = int(tags[PID])
+        owner = ProcessIdentity(tags.get(HOST), tags.get(PID_NAMESPACE), int(tags[PID]), tags.get(PROCESS_START))
     except (KeyError, ValueError):
         return None
-    if pid == os.getpid() and tags.get(PROCESS_START) == (_proc_stat(pid) or (None, None))[1]:
+    if owner == ProcessIdentity.current():
         return run.info.run_id in _live_runs  # this very process: alive only while it has not ended it
-    stat = _proc_stat(pid)
-    if stat is not None:
-        state, started = stat
-        return state != "Z" and (tags.get(PROCESS_START) in (None, started))  # another start: pid reused
-    if _pid_namespace() is not None:
-        return False  # /proc is there and the pid is not
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    gone = is_gone(owner)
+    return None if gone is None else not gone
 
 
 def _abandoned(run, stale_seconds: float) -> bool:
