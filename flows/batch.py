@@ -14,7 +14,7 @@ from tokenmill.flows.gate import GateFailed, gate_flow
 from tokenmill.gate import candidate_model
 from tokenmill.results import ShardResult
 from tokenmill.shards import ShardSpec
-from tokenmill.spec import JobSpec
+from tokenmill.tasks.job import PrefectJob
 from tokenmill.tasks.record import JobRecord, end_run_hook, open_run_task, record_run_task
 from tokenmill.tasks.shards import (
     discover_shards_task,
@@ -28,7 +28,7 @@ from tokenmill.tracking import log_gate_run, log_progress
 
 # The job's MLflow run ends FAILED or KILLED with the flow; FINISHED in record_run_task.
 @flow(name="tokenmill-batch", on_failure=[end_run_hook], on_crashed=[end_run_hook], on_cancellation=[end_run_hook])
-def batch_flow(spec: JobSpec) -> JobRecord:
+def batch_flow(spec: PrefectJob) -> JobRecord:
     """Embed or generate over a corpus of Parquet or JSONL files, shard by shard."""
     with engine_scope():  # engines this flow starts end with it
         logger = get_run_logger()
@@ -71,7 +71,7 @@ def batch_flow(spec: JobSpec) -> JobRecord:
         return record
 
 
-def _run_here(spec: JobSpec, shards: list[ShardSpec], progress_id, run_id: str,
+def _run_here(spec: PrefectJob, shards: list[ShardSpec], progress_id, run_id: str,
               started: float) -> tuple[list[ShardResult], list[str]]:
     """dispatch: local. Every shard in this process, in order, on one engine."""
     finished: list[ShardResult] = []

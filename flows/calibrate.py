@@ -24,7 +24,7 @@ from tokenmill.planning import (
     plan_markdown,
     plan_metrics,
 )
-from tokenmill.spec import JobSpec
+from tokenmill.tasks.job import PrefectJob
 from tokenmill.tasks.logs import with_core_logs
 from tokenmill.tasks.storage import with_storage_secrets
 from tokenmill.tracking import log_stage_run
@@ -32,18 +32,18 @@ from tokenmill.tracking import log_stage_run
 
 @task(name="calibrate", cache_policy=NONE)
 @with_core_logs
-def calibrate_task(spec: JobSpec, batch_sizes: list[int], sample_rows: int) -> Calibration:
+def calibrate_task(spec: PrefectJob, batch_sizes: list[int], sample_rows: int) -> Calibration:
     return calibrate(with_storage_secrets(spec), tuple(batch_sizes), sample_rows)
 
 
 @task(name="estimate-corpus", cache_policy=NONE)
 @with_core_logs
-def estimate_corpus_task(spec: JobSpec, sample_rows: int) -> CorpusEstimate:
+def estimate_corpus_task(spec: PrefectJob, sample_rows: int) -> CorpusEstimate:
     return estimate_corpus(with_storage_secrets(spec), sample_rows)
 
 
 @flow(name="tokenmill-calibrate")
-def calibrate_flow(spec: JobSpec, batch_sizes: list[int] = list(DEFAULT_BATCH_SIZES), sample_rows: int = 512,
+def calibrate_flow(spec: PrefectJob, batch_sizes: list[int] = list(DEFAULT_BATCH_SIZES), sample_rows: int = 512,
                    out_dir: str = "calibration") -> CalibrationRecord:
     """Sweep batch sizes on a sample; write calibration.json, calibration.png and batching.yaml to out_dir."""
     logger = get_run_logger()
@@ -70,7 +70,7 @@ def calibrate_flow(spec: JobSpec, batch_sizes: list[int] = list(DEFAULT_BATCH_SI
 
 
 @flow(name="tokenmill-plan")
-def plan_flow(spec: JobSpec, window_hours: float, tokens_per_s_per_gpu: float | None = None,
+def plan_flow(spec: PrefectJob, window_hours: float, tokens_per_s_per_gpu: float | None = None,
               calibration_file: str | None = None, straggler_margin: float = 0.1,
               preemptions_per_gpu_hour: float = 0.05, engine_start_seconds: float = 60.0,
               sample_rows: int = 512) -> PlanRecord:

@@ -41,7 +41,7 @@ from tokenmill.dispatch import (
 from tokenmill.errors import ConfigError, TokenmillError
 from tokenmill.results import ShardResult, shard_cache_key
 from tokenmill.shards import ShardSpec
-from tokenmill.spec import FleetSpec, JobSpec
+from tokenmill.tasks.job import FleetSpec, PrefectJob
 from tokenmill.tasks.shards import write_shard_list_task
 
 
@@ -57,7 +57,7 @@ class FleetOutcome:
     workers: list[dict[str, Any]] = field(default_factory=list)
 
 
-def dispatch_to_pool(spec: JobSpec, shards: list[ShardSpec], storage: Path | WritableFileSystem) -> FleetOutcome:
+def dispatch_to_pool(spec: PrefectJob, shards: list[ShardSpec], storage: Path | WritableFileSystem) -> FleetOutcome:
     """Run every unfinished shard on the fleet; return every shard's persisted result."""
     logger = get_run_logger()
     fleet = spec.fleet
@@ -91,7 +91,7 @@ def dispatch_to_pool(spec: JobSpec, shards: list[ShardSpec], storage: Path | Wri
     return FleetOutcome(results, sorted(already), fleet_metrics(ledger, rows) if ledger.runs else {}, rows)
 
 
-def _run_fleet(spec: JobSpec, ledger: DispatchLedger, store: ResultStore, keys: dict[str, str],
+def _run_fleet(spec: PrefectJob, ledger: DispatchLedger, store: ResultStore, keys: dict[str, str],
                shard_list: str, client, logger) -> None:
     fleet = spec.fleet
     parent = runtime_flow_run.name or "tokenmill"

@@ -8,8 +8,8 @@ from prefect.artifacts import create_table_artifact
 from tokenmill.engines import engine_scope
 from tokenmill.errors import TokenmillError
 from tokenmill.gate import GateReport
-from tokenmill.spec import JobSpec
 from tokenmill.tasks.gate import gate_evaluate_task, gate_sample_task
+from tokenmill.tasks.job import PrefectJob
 from tokenmill.tracking import log_gate_run
 
 
@@ -18,7 +18,7 @@ class GateFailed(TokenmillError):
 
 
 @flow(name="tokenmill-gate")
-def gate_flow(spec: JobSpec, record: bool = True) -> GateReport:
+def gate_flow(spec: PrefectJob, record: bool = True) -> GateReport:
     """Candidate against reference on a deterministic sample. record=False leaves the MLflow
     record to the caller (the batch flow puts the gate's figures on the job's run)."""
     with engine_scope():  # engines this flow starts end with it

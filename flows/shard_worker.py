@@ -16,7 +16,7 @@ from tokenmill.dispatch import select_shards
 from tokenmill.engines import engine_scope
 from tokenmill.errors import TokenmillError
 from tokenmill.flows.results import WorkerRecord
-from tokenmill.spec import JobSpec
+from tokenmill.tasks.job import PrefectJob
 from tokenmill.tasks.shards import (
     discover_shards_task,
     load_shard_list_task,
@@ -29,7 +29,7 @@ class ShardsFailed(TokenmillError):
 
 
 @flow(name="tokenmill-shard-worker")
-def shard_worker_flow(spec: JobSpec, shard_ids: list[str] | None = None,
+def shard_worker_flow(spec: PrefectJob, shard_ids: list[str] | None = None,
                       shard_list: str | None = None) -> WorkerRecord:
     """Run these shards of the job, in this order, on one engine.
 

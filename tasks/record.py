@@ -62,13 +62,23 @@ def prefect_tags() -> dict[str, str]:
     return tags
 
 
+
+def orchestration_params(spec: JobSpec) -> dict[str, Any]:
+    """How Prefect ran the job: dispatch, worker lists and the workers' deployment."""
+    dispatch = getattr(spec, "dispatch", "local")
+    params: dict[str, Any] = {"dispatch": dispatch, "workers": spec.fleet.workers if dispatch == "pool" else 1}
+    if dispatch == "pool":
+        params["fleet_deployment"] = spec.fleet.deployment
+    return params
+
+
 @task(name="open-run", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
 def open_run_task(spec: JobSpec) -> str:
     """The job's MLflow run, RUNNING from now on; closes runs of this job that a killed
     process left RUNNING. With an eval gate the model's params wait for its verdict."""
     from prefect.runtime import flow_run
 
-    params = spec_params(spec, with_model=spec.gate is None)
+    params = {**spec_params(spec, with_model=spec.gate is None), **orchestration_params(spec)}
     run_id = open_job_run(spec, prefect_tags(), params, run_name=spec.tracking.run_name or flow_run.name)
     if flow_run.id:
         _open_runs[str(flow_run.id)] = (spec, run_id)
@@ -100,7 +110,7 @@ def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: flo
 
     metrics = run_metrics(results, wall_seconds, spec, set(cached_shard_ids or ()), fleet_metrics)
     engine, device = describe_engine(spec)
-    params = job_params(spec, engine, resolve_model(spec.model_name), device)
+    params = {**job_params(spec, engine, resolve_model(spec.model_name), device), **orchestration_params(spec)}
     manifest = build_manifest(spec, results, len(results))
     run_id = log_run(spec, params, metrics, results, manifest, tags, gate_report, fleet_workers, run_id=run_id)
     if flow_run.id:

@@ -175,7 +175,7 @@ def state_storage(spec: JobSpec) -> Path | WritableFileSystem:
     basepath = f"{spec.output.rstrip('/')}/{STATE_DIR}"
     # saved on every call (one API call per shard): a block saved once per process would go
     # stale when the process talks to another Prefect API
-    block = StateStorage(basepath=basepath, settings=spec.storage_options, storage_block=spec.storage_block)
+    block = StateStorage(basepath=basepath, settings=spec.storage_options, storage_block=getattr(spec, "storage_block", None))
     block.save(f"tokenmill-state-{stable_digest(basepath, 16)}", overwrite=True)
     return block
 

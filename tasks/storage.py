@@ -33,9 +33,10 @@ def load_storage_secret(name: str) -> dict[str, Any]:
 
 def with_storage_secrets(spec: JobSpec) -> JobSpec:
     """The spec with its storage block's options merged in (the spec's own options win)."""
-    if not spec.storage_block:
+    block = getattr(spec, "storage_block", None)  # a PrefectJob's; a plain JobSpec has none
+    if not block:
         return spec
-    return spec.model_copy(update={"storage_options": {**load_storage_secret(spec.storage_block),
+    return spec.model_copy(update={"storage_options": {**load_storage_secret(block),
                                                        **spec.storage_options}})
 
 

@@ -13,7 +13,8 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 
-from tokenmill.spec import JobSpec, ModelSpec  # noqa: E402
+from tokenmill.spec import ModelSpec  # noqa: E402
+from tokenmill.tasks.job import PrefectJob  # noqa: E402
 
 # One model spec for every embedding test, so the process starts one vLLM engine.
 TEST_EMBED_MODEL = ModelSpec(name="all-MiniLM-L6-v2", engine_kwargs={"gpu_memory_utilization": 0.1})
@@ -50,7 +51,7 @@ def embed_spec(tmp_path):
             tracking={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "tests"},
         )
         fields.update(overrides)
-        return JobSpec.model_validate(fields)
+        return PrefectJob.model_validate(fields)  # the job as the flows take it
 
     return make
 

@@ -77,7 +77,7 @@ def test_the_on_demand_deployment_asks_for_input_and_output(monkeypatch):
         exclude_unset=True)
     stored = by_name["on-demand"]["parameters"]
     assert DEFAULT_INPUT not in json.dumps(stored) and DEFAULT_OUTPUT not in json.dumps(stored)
-    assert "default" not in schema["definitions"]["JobSpec"]["properties"]["input"]  # nothing to prefill
+    assert "default" not in schema["definitions"]["PrefectJob"]["properties"]["input"]  # nothing to prefill
     # an edit of the deployment is checked without `required`: the stored values pass
     validate(stored, schema, raise_on_error=True, ignore_required=True)
     for missing, given in (("input", "output"), ("output", "input")):

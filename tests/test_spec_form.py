@@ -37,7 +37,7 @@ def _label(schema: dict, prop: dict) -> str | None:
 
 def test_every_section_has_a_title_and_every_field_a_description(schema):
     definitions = schema["definitions"]
-    assert {"JobSpec", "ModelSpec", "GenerationParams", "ChatMessage", "BatchingSpec", "PricingSpec",
+    assert {"PrefectJob", "ModelSpec", "GenerationParams", "ChatMessage", "BatchingSpec", "PricingSpec",
             "TrackingSpec", "GateSpec", "FleetSpec"} <= set(definitions)
     for name, definition in definitions.items():
         assert definition.get("title") and definition["title"] != name, f"{name} shows its class name"
@@ -81,7 +81,7 @@ def test_the_api_takes_what_the_spec_takes_and_asks_for_input_and_output(schema)
 
 
 def test_the_form_does_not_prefill_the_demo_corpus_but_python_keeps_it(schema):
-    job = schema["definitions"]["JobSpec"]
+    job = schema["definitions"]["PrefectJob"]
     assert {"input", "output"} <= set(job["required"])
     assert "default" not in job["properties"]["input"] and "default" not in job["properties"]["output"]
     assert JobSpec().input == DEFAULT_INPUT  # the CLI's demo job

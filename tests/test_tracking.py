@@ -19,6 +19,7 @@ from prefect.testing.utilities import prefect_test_harness
 
 from conftest import write_parquet
 from tokenmill.spec import JobSpec
+from tokenmill.tasks.job import PrefectJob
 
 REPO = Path(__file__).resolve().parents[1]
 MINILM_ON_TRANSFORMERS = {"name": "all-MiniLM-L6-v2", "engine": "transformers"}
@@ -81,9 +82,11 @@ def test_a_stage_run_goes_to_the_store_the_environment_names(tmp_path, monkeypat
 def test_every_generation_field_that_changes_outputs_is_a_param_and_a_long_prompt_is_hashed():
     from tokenmill.tracking import job_params
 
-    spec = JobSpec.model_validate({"mode": "generate", "generation": {"top_p": 0.9, "seed": 7, "temperature": 0.5},
-                                   "dispatch": "pool", "fleet": {"workers": 6}})
-    params = job_params(spec, "vllm", "/models/smollm2", "cpu")
+    from tokenmill.tasks.record import orchestration_params
+
+    spec = PrefectJob.model_validate({"mode": "generate", "generation": {"top_p": 0.9, "seed": 7, "temperature": 0.5},
+                                      "dispatch": "pool", "fleet": {"workers": 6}})
+    params = {**job_params(spec, "vllm", "/models/smollm2", "cpu"), **orchestration_params(spec)}
     assert params["top_p"] == 0.9 and params["seed"] == 7 and params["temperature"] == 0.5
     assert params["max_tokens"] == 128 and params["dispatch"] == "pool" and params["workers"] == 6
     assert json.loads(params["messages"]) == [m.model_dump() for m in spec.generation.messages]
@@ -101,7 +104,7 @@ def test_every_generation_field_that_changes_outputs_is_a_param_and_a_long_promp
     plain = JobSpec.model_validate({"mode": "generate", "generation": {"messages": None,
                                                                       "prompt_template": "Q: {text}\nA:"}})
     assert job_params(plain, "vllm", "m", "cpu")["prompt_template"] == "Q: {text}\nA:"
-    assert job_params(JobSpec(), "vllm", "m", "cpu")["dispatch"] == "local"
+    assert orchestration_params(JobSpec())["dispatch"] == "local"  # a plain JobSpec runs here
 
 
 # --- the same job run again: KILLED runs closed, live ones left alone -------------------------

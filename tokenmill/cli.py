@@ -121,7 +121,8 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace):
-    from tokenmill.spec import JobSpec, set_dotted
+    from tokenmill.spec import set_dotted
+    from tokenmill.tasks.job import PrefectJob
 
     overrides: dict[str, Any] = {}
     for flag, field in FLAG_FIELDS.items():
@@ -134,8 +135,8 @@ def spec_from_args(args: argparse.Namespace):
             raise SystemExit(f"tokenmill: --set takes FIELD=VALUE, got {assignment!r}")
         set_dotted(overrides, key.strip(), yaml.safe_load(raw))
     if args.config:
-        return JobSpec.from_yaml(args.config, overrides)
-    return JobSpec.model_validate(overrides)
+        return PrefectJob.from_yaml(args.config, overrides)
+    return PrefectJob.model_validate(overrides)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """Fanning shards out to a fleet: work lists balanced by tokens, and the ledger that says
 what to launch again when a worker run is preempted or straggles.
 
-Plain Python with an injected clock. Prefect does the launching, the waiting and the
+Plain Python with an injected clock. The orchestration layer does the launching, the waiting and the
 slot-keeping (flows/fleet.py); this module only decides. A shard is finished when its
 result is persisted, whoever wrote it: outputs are idempotent, so two copies of one shard
 write the same file and the first to finish wins.
@@ -44,7 +44,7 @@ def balance_by_tokens(weights: dict[str, float], workers: int) -> list[list[str]
 
 @dataclass
 class WorkerRun:
-    """One launch of the shard-worker deployment."""
+    """One launch of a shard worker."""
 
     run_id: str
     name: str
@@ -142,7 +142,7 @@ class DispatchLedger:
     def stragglers(self, now: float) -> list[WorkerRun]:
         """Live runs working on shards for longer than the deadline that still hold uncopied,
         unfinished shards. The clock starts at the first shard, not at Running: time spent
-        waiting for a GPU slot under the concurrency cap is queueing, not straggling."""
+        waiting for a GPU slot under the cap on GPUs is queueing, not straggling."""
         deadline = self.straggler_deadline()
         if deadline is None:
             return []

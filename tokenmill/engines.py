@@ -189,7 +189,7 @@ _scope_depth = 0
 def engine_scope() -> Iterator[None]:
     """Engines started inside are closed when the outermost scope ends.
 
-    Every flow runs inside one, so a notebook or a long-lived worker gets its memory (and
+    Every job runs inside one, so a notebook or a long-lived worker gets its memory (and
     on a GPU, the device) back when the flow ends, and nothing is left for the interpreter
     to tear down at exit. A caller that runs several flows on one engine (a test module,
     a benchmark) holds an outer scope around them; engines then live until it ends.

@@ -7,7 +7,7 @@ Layout under the output root:
                                 rows whose id an earlier shard has (see tokenmill.audit)
     _shards/<shard_id>.json     one record per finished shard
     _manifest.json              every shard with its fingerprint, rows and tokens
-    _state/                     Prefect's persisted shard results: what makes a re-run resume
+    _state/                     the orchestrator's persisted shard results: what makes a re-run resume
     _tmp/<writer>/              files being written (local disk only), one folder per process
     _stale/                     files of shards that are no longer the job's, under their own names
 Directory readers see only this run's output rows: pyarrow.dataset and pandas skip every

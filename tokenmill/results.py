@@ -30,7 +30,7 @@ class ShardResult(BaseModel):
     engine_seconds: float
     seconds: float
     format_version: int = OUTPUT_FORMAT_VERSION
-    worker: str = ""  # the flow run that wrote this result: a fleet's throughput per worker
+    worker: str = ""  # the worker run that wrote this result: a fleet's throughput per worker
 
     @property
     def padding_fraction(self) -> float:

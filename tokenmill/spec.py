@@ -1,7 +1,7 @@
 """The job, as one declarative object.
 
 `JobSpec` is what a user writes in YAML, what the CLI builds from flags, and what
-the Prefect UI renders as the batch flow's form. Every field has a default, so
+an orchestrator's UI renders as the batch job's form. Every field has a default, so
 `JobSpec()` is the demo job: embed the sample corpus with all-MiniLM-L6-v2. The form
 (the JSON schema) asks for input and output instead: a worker has no sample corpus.
 """
@@ -59,7 +59,7 @@ def _vllm_quantizations() -> set[str]:
 
 def _quantization_form(schema: dict[str, Any]) -> None:
     # Three choices in the form: a known method from a list, any other name vLLM knows, or none.
-    # A plain enum would make the Prefect API refuse the methods it leaves out.
+    # A plain enum would make a form that validates against the schema refuse the methods it leaves out.
     schema["anyOf"] = [
         {"type": "string", "enum": list(QUANTIZATIONS), "title": "Common method"},
         {"type": "string", "title": "Other vLLM method"},
@@ -217,7 +217,7 @@ class TrackingSpec(_Spec):
         None, description="MLflow tracking URI (an MLflow server's http://..., or sqlite:///...; a relative "
         "sqlite path is from the cwd). Empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
     experiment: str = Field("tokenmill", description="MLflow experiment the run is filed under (created if missing).")
-    run_name: str | None = Field(None, description="Empty: the Prefect flow run's name.")
+    run_name: str | None = Field(None, description="Empty: the name the orchestrator gives the run.")
     stale_run_seconds: float = Field(
         600, gt=0, description="A RUNNING run of the same job from another machine whose heartbeat is this old "
         "is closed as KILLED by the next run of the job (on this machine: as soon as its process is gone).")
@@ -246,40 +246,9 @@ class GateSpec(_Spec):
         "fail", description="fail: the flow ends Failed. use_reference: the corpus runs with the reference.")
 
 
-class FleetSpec(_Spec):
-    """dispatch: pool. Shards fan out to the shard-worker deployment on a GPU work pool."""
-
-    model_config = ConfigDict(title="Fleet (pool dispatch)")
-
-    deployment: str = Field(
-        "tokenmill-shard-worker/gpu-spot",
-        description="The shard-worker deployment, as flow-name/deployment-name (deployments/prefect.yaml).")
-    workers: int = Field(4, ge=1, description="Work lists per dispatch: one per GPU worker run.")
-    max_rounds: int = Field(
-        3, ge=1, description="Dispatch rounds: the first, plus re-dispatches of the unfinished shards of "
-        "runs that ended Crashed, Failed or Cancelled (a preemption).")
-    straggler_seconds: float | None = Field(
-        None, gt=0, description="A worker run still going this long after it started gets a speculative "
-        "copy of its unfinished shards. Empty: straggler_factor x the median finished run.")
-    straggler_factor: float = Field(1.5, ge=1.0, description="See straggler_seconds.")
-    concurrency_limit: str = Field(
-        "tokenmill-gpu", description="Prefect global concurrency limit every shard-worker run holds a slot "
-        "of while its engine is up: the cap on GPU workers at once, across jobs.")
-    concurrency_slots: int = Field(
-        8, ge=1, description="The limit's size, used only when the limit does not exist yet.")
-    slot_lease_seconds: float = Field(
-        300, ge=60, description="A slot of a worker that vanished (SIGKILL, lost node) frees after this long.")
-    start_timeout_seconds: float | None = Field(
-        3600, gt=0, description="A worker run not started this long after its launch (no worker, no capacity) "
-        "is cancelled and counts as lost: its shards go to the next round. Empty: wait for ever.")
-    poll_seconds: float = Field(5.0, gt=0, description="How often the orchestrator reads its worker runs' states.")
-    job_variables: dict[str, Any] = Field(
-        default_factory=dict, description="Work-pool job variables for the worker runs (image, env, ...).")
-
-
 def _form_asks_for_paths(schema: dict[str, Any]) -> None:
     # The demo corpus exists only in a checkout that ran `tokenmill sample-corpus`: the form and the
-    # Prefect API ask for input and output instead of offering it. JobSpec() in Python keeps it.
+    # API behind it ask for input and output instead of offering it. JobSpec() in Python keeps it.
     for name in ("input", "output"):
         schema["properties"][name].pop("default", None)
         schema["properties"][name]["minLength"] = 1
@@ -317,23 +286,13 @@ class JobSpec(_Spec):
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="fsspec options for s3:// (endpoint_url, ...). Credentials belong in the "
-        "environment or in storage_block, not here.",
-    )
-    storage_block: str | None = Field(
-        None,
-        description="Name of a Prefect Secret block whose value is a JSON object of fsspec options "
-        "(key, secret, token, endpoint_url, ...), merged in when storage is opened.",
+        "environment (or the orchestrator's secret store), not here.",
     )
     tracking: TrackingSpec = Field(
         default_factory=TrackingSpec, description="Where the run's record goes.")
     gate: GateSpec | None = Field(
         None, title="Eval gate", description="Check a cheaper candidate model against the reference on a sample "
         "before the corpus runs; on_fail says what a failed check does. Empty: no gate.")
-    dispatch: Literal["local", "pool"] = Field(
-        "local", description="local: every shard in this process. pool: shards fan out to GPU worker runs "
-        "of the fleet's deployment; see fleet.")
-    fleet: FleetSpec = Field(
-        default_factory=FleetSpec, description="The GPU workers shards fan out to; used by dispatch=pool only.")
     calibration: str | None = Field(
         None, description="calibration.json from `tokenmill calibrate`: the run then records predicted "
         "against measured tokens/s and $.")

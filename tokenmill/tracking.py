@@ -114,11 +114,7 @@ def spec_params(spec: JobSpec, with_model: bool = True) -> dict[str, Any]:
         "usd_per_gpu_hour_spot": spec.pricing.usd_per_gpu_hour_spot,
         "usd_per_gpu_hour_on_demand": spec.pricing.usd_per_gpu_hour_on_demand,
         "gpu_count": spec.pricing.gpu_count,
-        "dispatch": spec.dispatch,
-        "workers": spec.fleet.workers if spec.dispatch == "pool" else 1,
     }
-    if spec.dispatch == "pool":
-        params["fleet_deployment"] = spec.fleet.deployment
     if with_model:
         params.update({
             "model": spec.model_name,
