@@ -25,7 +25,7 @@ class ShardResult(BaseModel):
     output_tokens: int
     batches: int
     real_tokens: int  # tokens the engine saw (= input_tokens)
-    padded_slots: int  # rows x longest row, over our length-bucketed batches
+    padded_slots: int  # rows x longest row over the engine calls (= real_tokens for an engine that does not pad)
     baseline_padded_slots: int  # the same, over fixed-size batches in input order
     engine_seconds: float
     seconds: float
