@@ -27,7 +27,7 @@ from tokenmill.outputs import (
 )
 from tokenmill.results import ShardResult, shard_cache_key
 from tokenmill.runner import run_shard
-from tokenmill.shards import ShardSpec, discover_shards
+from tokenmill.shards import ShardSpec, discover_shards_for
 from tokenmill.spec import JobSpec
 from tokenmill.tasks.logs import with_core_logs
 from tokenmill.tasks.storage import StateStorage, with_storage_secrets
@@ -37,13 +37,7 @@ from tokenmill.tasks.storage import StateStorage, with_storage_secrets
 @with_core_logs
 def discover_shards_task(spec: JobSpec) -> list[ShardSpec]:
     spec = with_storage_secrets(spec)
-    shards = discover_shards(
-        spec.input,
-        fmt=spec.format,
-        max_shard_rows=spec.batching.max_shard_rows,
-        max_shard_bytes=spec.batching.max_shard_bytes,
-        storage_options=spec.storage_options,
-    )
+    shards = discover_shards_for(spec)
     empty = sorted({s.uri for s in shards if s.is_empty})
     if len(empty) == len({s.uri for s in shards}):
         raise InputError(spec.input, f"every input file is empty ({', '.join(empty[:5])}"

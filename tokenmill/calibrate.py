@@ -123,10 +123,8 @@ def calibrate(spec: JobSpec, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
                                            items_per_s=0, peak_memory_gib=0, usd_per_1m_tokens=0,
                                            error=failed[size]))
             break
-        cost = RunCost(rows=size * len(calls), input_tokens=tokens, output_tokens=produced, wall_seconds=seconds,
-                       engine_seconds=seconds, gpu_count=1,
-                       usd_per_gpu_hour_spot=spec.pricing.usd_per_gpu_hour_spot,
-                       usd_per_gpu_hour_on_demand=spec.pricing.usd_per_gpu_hour_on_demand)
+        cost = RunCost.for_job(spec, rows=size * len(calls), input_tokens=tokens, output_tokens=produced,
+                               wall_seconds=seconds, engine_seconds=seconds, gpu_count=1)
         points.append(CalibrationPoint(batch_size=size, calls=len(calls), seconds_per_call=seconds / len(calls),
                                        tokens_per_s=cost.tokens_per_s, items_per_s=cost.items_per_s,
                                        peak_memory_gib=memory.peak_gib, usd_per_1m_tokens=cost.usd_per_1m_tokens))

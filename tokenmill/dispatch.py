@@ -9,14 +9,14 @@ write the same file and the first to finish wins.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import json
 import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from tokenmill.digest import stable_digest
 from tokenmill.errors import ConfigError
+from tokenmill.outputs import STATE_DIR
 from tokenmill.shards import ShardSpec
 
 # What a billion-row corpus cannot do without: a token estimate before tokenizing.
@@ -199,8 +199,7 @@ def write_shard_list(store, shards: Sequence[ShardSpec]) -> str:
     """The orchestrator's view of the shards, for its workers to read instead of listing the
     corpus again. Named by its content, so concurrent jobs never overwrite each other's."""
     payload = [s.model_dump(mode="json") for s in shards]
-    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-    path = store.path(f"_state/shards-{digest}.json")
+    path = store.path(STATE_DIR, f"shards-{stable_digest(payload, 16)}.json")
     store.write_json(path, {"shards": payload})
     return path
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from tokenmill.spec import JobSpec
+
 
 @dataclass(frozen=True)
 class RunCost:
@@ -18,6 +20,16 @@ class RunCost:
     usd_per_gpu_hour_on_demand: float
     # A fleet rents GPUs for its worker runs' lifetimes, not for the orchestrator's wall time
     gpu_seconds: float | None = None
+
+    @classmethod
+    def for_job(cls, spec: JobSpec, *, rows: int, input_tokens: int, output_tokens: int, wall_seconds: float,
+                engine_seconds: float, gpu_count: int | None = None, gpu_seconds: float | None = None) -> "RunCost":
+        """Work done for this job, priced at its GPUs' rates (gpu_count: the job's, unless given)."""
+        return cls(rows=rows, input_tokens=input_tokens, output_tokens=output_tokens, wall_seconds=wall_seconds,
+                   engine_seconds=engine_seconds,
+                   gpu_count=spec.pricing.gpu_count if gpu_count is None else gpu_count,
+                   usd_per_gpu_hour_spot=spec.pricing.usd_per_gpu_hour_spot,
+                   usd_per_gpu_hour_on_demand=spec.pricing.usd_per_gpu_hour_on_demand, gpu_seconds=gpu_seconds)
 
     @property
     def total_tokens(self) -> int:

@@ -242,10 +242,8 @@ def text_similarity(first: list[str], second: list[str]) -> np.ndarray:
 
 
 def _cost(job: JobSpec, run: SampleRun, spec: JobSpec) -> ModelCost:
-    cost = RunCost(rows=len(run.outputs), input_tokens=run.tokens, output_tokens=0, wall_seconds=run.seconds,
-                   engine_seconds=run.seconds, gpu_count=spec.pricing.gpu_count,
-                   usd_per_gpu_hour_spot=spec.pricing.usd_per_gpu_hour_spot,
-                   usd_per_gpu_hour_on_demand=spec.pricing.usd_per_gpu_hour_on_demand)
+    cost = RunCost.for_job(spec, rows=len(run.outputs), input_tokens=run.tokens, output_tokens=0,
+                           wall_seconds=run.seconds, engine_seconds=run.seconds)
     label = job.model_name + (f" [{job.model.quantization}]" if job.model.quantization else "") + \
         (f" [{job.model.dtype}]" if job.model.dtype != "auto" else "")
     return ModelCost(model=label, engine=job.model.engine, seconds=run.seconds, tokens=run.tokens,

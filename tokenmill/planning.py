@@ -13,7 +13,7 @@ from tokenmill.economics import per_million
 from tokenmill.encoding import encode_rows
 from tokenmill.models import resolve_model
 from tokenmill.sampling import corpus_sample
-from tokenmill.shards import discover_shards, read_shard
+from tokenmill.shards import discover_shards_for, read_shard
 from tokenmill.spec import JobSpec
 
 
@@ -41,8 +41,7 @@ class CorpusEstimate(BaseModel):
 def estimate_corpus(spec: JobSpec, sample_rows: int = 512) -> CorpusEstimate:
     """Rows from the shards (Parquet metadata, or JSONL bytes / bytes per row), tokens from a
     sample tokenized with the job's model; the interval is the sample mean's 95% interval."""
-    shards = discover_shards(spec.input, fmt=spec.format, max_shard_rows=spec.batching.max_shard_rows,
-                             max_shard_bytes=spec.batching.max_shard_bytes, storage_options=spec.storage_options)
+    shards = discover_shards_for(spec)
     texts, _ = corpus_sample(spec, sample_rows)
     encoded = encode_rows(texts, spec, resolve_model(spec.model_name))
     lengths = sorted(len(ids) for ids in encoded.token_ids)

@@ -6,7 +6,7 @@ import hashlib
 
 from tokenmill.errors import InputError
 from tokenmill.schema import validate_rows
-from tokenmill.shards import discover_shards, read_shard
+from tokenmill.shards import discover_shards_for, read_shard
 from tokenmill.spec import JobSpec
 
 
@@ -15,8 +15,7 @@ def corpus_sample(spec: JobSpec, rows: int, seed: int = 0, eval_file: str | None
     a hash of their id (the same corpus gives the same sample however it is sharded, without
     reading the whole corpus). Returns (texts, a description of where they came from)."""
     source = eval_file or spec.input
-    shards = discover_shards(source, fmt=spec.format, max_shard_rows=spec.batching.max_shard_rows,
-                             max_shard_bytes=spec.batching.max_shard_bytes, storage_options=spec.storage_options)
+    shards = discover_shards_for(spec, source)
     pool: list[tuple[str, str]] = []
     for shard in shards:
         table, _ = read_shard(shard, [spec.id_column, spec.text_column], spec.storage_options)

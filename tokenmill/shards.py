@@ -7,7 +7,6 @@ boundaries, so no file is ever read whole to plan the work.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import posixpath
 import re
@@ -17,7 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict
 
+from tokenmill.digest import stable_digest
 from tokenmill.errors import InputError
+from tokenmill.spec import JobSpec
 from tokenmill.storage import is_transient, retry_io, url_to_fs
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -53,6 +54,12 @@ class ShardSpec(BaseModel):
     @property
     def expected_rows(self) -> int | None:
         return self.row_end - self.row_start if self.format == "parquet" else None
+
+
+def discover_shards_for(spec: JobSpec, source: str | None = None) -> list[ShardSpec]:
+    """The job's shards (or another source's, e.g. an eval file, cut the job's way)."""
+    return discover_shards(source or spec.input, fmt=spec.format, max_shard_rows=spec.batching.max_shard_rows,
+                           max_shard_bytes=spec.batching.max_shard_bytes, storage_options=spec.storage_options)
 
 
 def discover_shards(
@@ -296,8 +303,7 @@ def _jsonl_column(values: list) -> pa.Array:
 
 def _finish(shard: ShardSpec) -> ShardSpec:
     identity = shard.model_dump(exclude={"fingerprint", "shard_id", "data_bytes"})
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    return shard.model_copy(update={"fingerprint": digest})
+    return shard.model_copy(update={"fingerprint": stable_digest(identity)})
 
 
 def _file_version(info: dict[str, Any]) -> str:

@@ -11,7 +11,6 @@ process never share state.
 from __future__ import annotations
 
 import getpass
-import hashlib
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from typing import Any, Iterable, Iterator
 
 from tokenmill.bucketing import PaddingStats
 from tokenmill.calibrate import Calibration
+from tokenmill.digest import stable_digest
 from tokenmill.economics import RunCost
 from tokenmill.errors import ConfigError
 from tokenmill.processes import ProcessIdentity, is_gone
@@ -87,8 +87,7 @@ def experiment_id(client, name: str) -> str:
 
 def job_key(spec: JobSpec) -> str:
     """What makes two runs the same job: they write the same outputs with the same model."""
-    identity = json.dumps([spec.output.rstrip("/"), spec.mode, spec.model_name])
-    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return stable_digest(json.dumps([spec.output.rstrip("/"), spec.mode, spec.model_name]), 16)
 
 
 def job_params(spec: JobSpec, engine: str, model_path: str, device: str) -> dict[str, Any]:
@@ -142,7 +141,7 @@ def spec_params(spec: JobSpec, with_model: bool = True) -> dict[str, Any]:
 def _short_or_digest(text: str) -> str:
     if len(text) <= LONG_PARAM_CHARS:
         return text
-    return f"sha256:{hashlib.sha256(text.encode()).hexdigest()} ({len(text)} chars)"
+    return f"sha256:{stable_digest(text)} ({len(text)} chars)"
 
 
 def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSpec,
@@ -152,15 +151,13 @@ def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSp
     paid for the worker runs' time, not the orchestrator's."""
     results = list(results)
     fresh = [r for r in results if r.shard_id not in cached_shard_ids]
-    cost = RunCost(
+    cost = RunCost.for_job(
+        spec,
         rows=sum(r.rows_out for r in fresh),
         input_tokens=sum(r.input_tokens for r in fresh),
         output_tokens=sum(r.output_tokens for r in fresh),
         wall_seconds=wall_seconds,
         engine_seconds=sum(r.engine_seconds for r in fresh),
-        gpu_count=spec.pricing.gpu_count,
-        usd_per_gpu_hour_spot=spec.pricing.usd_per_gpu_hour_spot,
-        usd_per_gpu_hour_on_demand=spec.pricing.usd_per_gpu_hour_on_demand,
         gpu_seconds=fleet["worker_seconds"] if fleet else None,
     )
     real = sum(r.real_tokens for r in results)
