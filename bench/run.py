@@ -539,15 +539,9 @@ def profile(run: Callable[[], object]) -> str:
 def machine() -> str:
     import psutil
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {psutil.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
+    from tokenmill.tracking import cpu_model
+
+    return (f"{cpu_model()}, {psutil.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
             f"Python {platform.python_version()}")
 
 

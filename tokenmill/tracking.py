@@ -446,15 +446,19 @@ def device_name() -> str:
     gpu = _nvml_device_name()
     if gpu:
         return gpu
+    return f"cpu: {cpu_model()}"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"cpu: {model}"
+    return model
 
 
 def _nvml_device_name() -> str | None:
