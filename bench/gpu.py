@@ -550,7 +550,9 @@ def render(sections: dict[str, dict], run: dict) -> str:
         f"pandera {run['pandera']}, numpy {run['numpy']}, pyarrow {run['pyarrow']}",
         f"- **Code:** commit {run.get('commit') or 'not known on the machine'}; kit {run.get('kit', 'none')}; "
         f"packages: {run['packages']}",
-        f"- **Tokenizers parallelism:** {run['tokenizers_parallelism']} (as the tokenmill CLI runs)",
+        f"- **Tokenizers parallelism:** {run['tokenizers_parallelism']}"
+        + (" (as the tokenmill CLI runs)" if run["tokenizers_parallelism"] == "false" else
+           " (set in the environment; the tokenmill CLI runs with false)"),
     ]
     for name, section in sections.items():
         if section["run"]["date"] != run["date"] or section["run"]["device"] != run["device"]:
