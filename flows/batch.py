@@ -14,6 +14,7 @@ from tokenmill.flows.gate import GateFailed, gate_flow
 from tokenmill.gate import candidate_model
 from tokenmill.results import ShardResult
 from tokenmill.shards import ShardSpec
+from tokenmill.tasks.index import build_index_task
 from tokenmill.tasks.job import PrefectJob
 from tokenmill.tasks.record import JobRecord, end_run_hook, open_run_task, record_run_task
 from tokenmill.tasks.shards import (
@@ -64,6 +65,9 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
 
         results = reject_duplicates_task(spec, shards, results)
         write_manifest_task(spec, results, len(shards))
+        if spec.index is not None:  # into the job's run before the record ends it
+            index_report = build_index_task(spec, sum(r.seconds for r in results), run_id)
+            logger.info("\n%s", index_report.markdown())
         record = record_run_task(spec, results, time.perf_counter() - started, cached, gate_report=gate_report,
                                  fleet_metrics=fleet.metrics if fleet else None,
                                  fleet_workers=fleet.workers if fleet else None, run_id=run_id)

@@ -17,6 +17,7 @@ from tokenmill.calibrate import (
 )
 from tokenmill.engines import engine_scope
 from tokenmill.flows.results import CalibrationRecord, PlanRecord
+from tokenmill.index import plan_index
 from tokenmill.planning import (
     CorpusEstimate,
     estimate_corpus,
@@ -87,9 +88,13 @@ def plan_flow(spec: PrefectJob, window_hours: float, tokens_per_s_per_gpu: float
     plan = make_plan(spec, estimate, tokens_per_s_per_gpu, window_hours, straggler_margin,
                      preemptions_per_gpu_hour, engine_start_seconds)
     text = plan_markdown(plan, estimate, source)
+    index_metrics: dict[str, float] = {}
+    if spec.index is not None:  # built after the shards: it adds to the finish
+        index_text, index_metrics = plan_index(spec, estimate.rows, plan.finish_hours(), window_hours)
+        text += index_text
     get_run_logger().info("\n%s", text)
     create_markdown_artifact(text, key="tokenmill-plan", description="fleet plan")
-    metrics = plan_metrics(plan, estimate)
+    metrics = {**plan_metrics(plan, estimate), **index_metrics}
     run_id = log_stage_run(spec, "plan", metrics, {"window_hours": window_hours, "rate_source": source,
                                                    "straggler_margin": straggler_margin,
                                                    "preemptions_per_gpu_hour": preemptions_per_gpu_hour},

@@ -3,6 +3,8 @@
     tokenmill run                              # the demo: embed the sample corpus
     tokenmill run --input s3://bucket/docs/ --output s3://bucket/emb/
     tokenmill run --config job.yaml --set batching.token_budget=8192
+    tokenmill index --config job.yaml             # the ANN index over an embed job's output
+    tokenmill search --index out/emb/ "query text"
     tokenmill sample-corpus data/sample-corpus
 """
 
@@ -86,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--preemptions-per-gpu-hour", type=float, default=0.05)
     plan.add_argument("--engine-start-s", type=float, default=60.0)
     plan.add_argument("--sample-rows", type=int, default=512)
+
+    index = commands.add_parser("index", help="build (or reuse) the ANN index over an embed job's output")
+    _add_job_arguments(index)
+    index.add_argument("--backend", choices=["faiss", "lancedb"], help="default: the job's index.backend, else faiss")
+    index.add_argument("--kind", choices=["auto", "flat", "hnsw", "ivfpq"], help="default: auto (by corpus size)")
+
+    search = commands.add_parser("search", help="embed a query with the job's model and print its nearest rows")
+    search.add_argument("--index", required=True, dest="index_output", help="the job's output (holding _index/)")
+    search.add_argument("query", nargs="+", help="query text (unquoted words are joined)")
+    search.add_argument("-k", type=int, default=10, help="hits per query")
+    search.add_argument("--engine", choices=["vllm", "transformers"], help="default: the engine the job used")
 
     sample = commands.add_parser("sample-corpus", help="write the realistic sample corpus")
     sample.add_argument("directory", type=Path)
@@ -216,6 +229,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_index(args: argparse.Namespace) -> int:
+    from tokenmill.flows.index import index_flow
+    from tokenmill.spec import IndexSpec
+
+    spec = spec_from_args(args)
+    if spec.mode != "embed":
+        from tokenmill.index import IndexBuildError
+
+        raise IndexBuildError(f"the job is mode={spec.mode}; an index is built over embeddings (mode: embed)")
+    chosen = {k: v for k, v in {"backend": args.backend, "kind": args.kind}.items() if v is not None}
+    if chosen:
+        spec = spec.model_copy(update={"index": (spec.index or IndexSpec()).model_copy(update=chosen)})
+    report = index_flow(spec)
+    print(report.markdown(), end="")
+    print(f'\nSearch:    tokenmill search --index {spec.output} "some text"')
+    return 0
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from tokenmill.index import search_text
+
+    query = " ".join(args.query)
+    for hits in search_text(args.index_output, [query], args.k, engine=args.engine):
+        print(f"query: {query}")
+        for rank, hit in enumerate(hits, 1):
+            rest = "  ".join(f"{k}={_short(v)}" for k, v in hit.items() if k not in ("id", "score"))
+            print(f"{rank:>3}  {hit['score']:.4f}  {hit['id']}" + (f"  {rest}" if rest else ""))
+    return 0
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = str(value).replace("\n", " ")
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 class _progress_bar:
     """A rich progress bar fed by tokenmill.progress events."""
 
@@ -283,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_cli_environment()
     try:
         return {"run": cmd_run, "gate": cmd_gate, "calibrate": cmd_calibrate, "plan": cmd_plan,
-                "sample-corpus": cmd_sample_corpus}[args.command](args)
+                "index": cmd_index, "search": cmd_search, "sample-corpus": cmd_sample_corpus}[args.command](args)
     except (TokenmillError, ValidationError) as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_EMBED_MODEL = "all-MiniLM-L6-v2"
 DEFAULT_GENERATE_MODEL = "SmolLM2-135M-Instruct"
@@ -246,6 +246,46 @@ class GateSpec(_Spec):
         "fail", description="fail: the flow ends Failed. use_reference: the corpus runs with the reference.")
 
 
+class IndexSpec(_Spec):
+    """An ANN index over the job's embeddings, built from the output files after the shards (embed jobs)."""
+
+    model_config = ConfigDict(title="Index")
+
+    backend: Literal["faiss", "lancedb"] = Field(
+        "faiss", description="faiss: a FAISS index file and an id table. lancedb: a Lance table with the ids, "
+        "vectors and passthrough columns, plus its vector index.")
+    kind: Literal["auto", "flat", "hnsw", "ivfpq"] = Field(
+        "auto", description="auto: exact flat search up to flat_max_rows, HNSW up to hnsw_max_rows, IVF-PQ "
+        "above (parameters derived from rows and dimension). flat, hnsw or ivfpq: that kind whatever the size.")
+    flat_max_rows: int = Field(
+        100_000, ge=0, description="auto: corpora of at most this many vectors get exact (flat) search.")
+    hnsw_max_rows: int = Field(
+        1_000_000, ge=0, description="auto: corpora above flat_max_rows and up to this many vectors get HNSW "
+        "(full vectors in memory); larger ones get IVF-PQ (compressed codes).")
+    hnsw_m: int | None = Field(None, ge=4, description="HNSW links per node. Empty: 32.")
+    ef_search: int | None = Field(
+        None, ge=1, description="HNSW candidates searched per query. Empty: 128.")
+    nlist: int | None = Field(
+        None, ge=1, description="IVF-PQ lists (partitions). Empty: about 4 x sqrt(rows), a power of two, "
+        "at most rows / 39 so every list trains on enough vectors.")
+    pq_m: int | None = Field(
+        None, ge=1, description="IVF-PQ sub-quantizers per vector; must divide the dimension. Empty: the largest "
+        "divisor of the dimension at most dimension / 4 (4 dimensions per code).")
+    nbits: int = Field(8, ge=4, le=12, description="IVF-PQ bits per sub-quantizer code.")
+    nprobe: int | None = Field(
+        None, ge=1, description="IVF-PQ lists searched per query. Empty: nlist / 8, between 8 and 256.")
+    train_rows: int = Field(
+        100_000, ge=256, description="IVF-PQ: at most this many vectors, a deterministic sample, train the "
+        "quantizers (the held-out queries are never among them).")
+    recall_queries: int = Field(
+        200, ge=1, description="Held-out corpus vectors queried to measure recall@10 against exact search, "
+        "and queries/s.")
+    columns: list[str] | None = Field(
+        None, description="Output columns stored beside each id and shown by `tokenmill search`. "
+        "Empty: every output column except the embedding and the token counts.")
+    seed: int = Field(0, description="Changes which rows are the training sample and the held-out queries.")
+
+
 def _form_asks_for_paths(schema: dict[str, Any]) -> None:
     # The demo corpus exists only in a checkout that ran `tokenmill sample-corpus`: the form and the
     # API behind it ask for input and output instead of offering it. JobSpec() in Python keeps it.
@@ -296,6 +336,9 @@ class JobSpec(_Spec):
     calibration: str | None = Field(
         None, description="calibration.json from `tokenmill calibrate`: the run then records predicted "
         "against measured tokens/s and $.")
+    index: IndexSpec | None = Field(
+        None, title="Index", description="embed jobs: build an ANN index (FAISS or LanceDB) over the outputs "
+        "under <output>/_index/ after the shards, with recall@10 and build cost on record. Empty: no index.")
 
     @field_validator("input", "output")
     @classmethod
@@ -303,6 +346,13 @@ class JobSpec(_Spec):
         if not value.strip():
             raise ValueError("must not be empty")
         return value.strip()
+
+    @model_validator(mode="after")
+    def _index_needs_embeddings(self) -> "JobSpec":
+        if self.index is not None and self.mode != "embed":
+            raise ValueError(f"index: an index is built over embeddings, and this job is mode={self.mode}; "
+                             "remove the index section or set mode: embed")
+        return self
 
     @property
     def model_name(self) -> str:
