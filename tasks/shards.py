@@ -18,6 +18,7 @@ from tokenmill.dispatch import read_shard_list, write_shard_list
 from tokenmill.engines import engine_scope
 from tokenmill.errors import InputError
 from tokenmill.manifest import build_manifest
+from tokenmill.openai_batch import write_batch_files
 from tokenmill.outputs import (
     MANIFEST,
     STATE_DIR,
@@ -42,6 +43,9 @@ def discover_shards_task(spec: JobSpec) -> list[ShardSpec]:
     if len(empty) == len({s.uri for s in shards}):
         raise InputError(spec.input, f"every input file is empty ({', '.join(empty[:5])}"
                                      f"{', ...' if len(empty) > 5 else ''}): there is nothing to run")
+    if spec.output_format == "openai-batch" and not any(s.format == "openai-batch" for s in shards):
+        raise InputError(spec.input, "output_format: openai-batch answers OpenAI Batch request files, and no input "
+                                     "file is one (lines with custom_id, method, url, body)")
     logger = get_run_logger()
     for uri in empty:
         logger.warning("%s has no rows: it is in the manifest with 0 rows and adds nothing", uri)
@@ -192,6 +196,8 @@ def write_manifest_task(spec: JobSpec, results: list[ShardResult], shards_total:
                                      len(shard_ids), shards_total)
     path = store.path(MANIFEST)
     store.write_json(path, build_manifest(spec, results, shards_total, final))
+    if final:  # OpenAI Batch input: the job's result and error files and batch object, from the shards'
+        write_batch_files(spec, results)
     return path
 
 

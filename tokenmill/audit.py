@@ -102,7 +102,7 @@ def _move_to_rejects(store: OutputStore, spec: JobSpec, shard: ShardSpec, result
                         f"duplicate id: shard {keeper.shard_id} of {keeper.uri} has it too and keeps it"))
     # rejects first: a crash between the two writes leaves the row in both, which the next pass settles
     store.write_table(store.shard_duplicates(result.shard_id),
-                      rejects_table(result.shard_id, shard.uri, rejects, shard.format == "jsonl"))
+                      rejects_table(result.shard_id, shard.uri, rejects, shard.format != "parquet"))
     output = store.read_table(result.output)
     keep = pc.invert(pc.is_in(pc.cast(output.column("id"), pa.string()), value_set=pa.array(sorted(duplicates))))
     store.write_table(result.output, output.filter(keep))

@@ -43,6 +43,7 @@ FLAG_FIELDS = {  # flag -> dotted JobSpec field
     "input": "input",
     "output": "output",
     "format": "format",
+    "output_format": "output_format",
     "mode": "mode",
     "model": "model.name",
     "engine": "model.engine",
@@ -112,7 +113,9 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="job YAML; flags override it")
     parser.add_argument("--input", help="file, directory or glob; local or s3://")
     parser.add_argument("--output", help="output directory; local or s3://")
-    parser.add_argument("--format", choices=["auto", "parquet", "jsonl"])
+    parser.add_argument("--format", choices=["auto", "parquet", "jsonl", "openai-batch"])
+    parser.add_argument("--output-format", dest="output_format", choices=["auto", "parquet", "openai-batch"],
+                        help="openai-batch: OpenAI Batch result and error files too (auto: for such input)")
     parser.add_argument("--mode", choices=["embed", "generate"])
     parser.add_argument("--model", help="path, Hugging Face name, or built-in alias")
     parser.add_argument("--engine", choices=["vllm", "transformers"], help="default: vllm")
@@ -147,9 +150,15 @@ def spec_from_args(args: argparse.Namespace):
         if not sep:
             raise SystemExit(f"tokenmill: --set takes FIELD=VALUE, got {assignment!r}")
         set_dotted(overrides, key.strip(), yaml.safe_load(raw))
-    if args.config:
-        return PrefectJob.from_yaml(args.config, overrides)
-    return PrefectJob.model_validate(overrides)
+    spec = PrefectJob.from_yaml(args.config, overrides) if args.config else PrefectJob.model_validate(overrides)
+    mode_set = "mode" in overrides or (args.config and "mode" in (yaml.safe_load(args.config.read_text()) or {}))
+    if not mode_set:  # an OpenAI Batch file says itself what it asks for: its endpoint is the mode
+        from tokenmill.openai_batch import input_mode
+
+        mode = input_mode(spec)
+        if mode and mode != spec.mode:
+            spec = PrefectJob.model_validate({**spec.model_dump(exclude_unset=True), "mode": mode})
+    return spec
 
 
 def cmd_run(args: argparse.Namespace) -> int:

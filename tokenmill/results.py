@@ -59,5 +59,7 @@ def shard_cache_key(shard: ShardSpec, spec: JobSpec) -> str:
         "output": spec.output.rstrip("/"),
         "format_version": OUTPUT_FORMAT_VERSION,
     }
+    if shard.format == "openai-batch":  # which request models run here; which files are written
+        identity["openai_batch"] = [spec.openai_batch.model_dump(mode="json"), spec.output_format]
     digest = stable_digest(identity, 32)
     return f"{shard.shard_id}-{digest}"

@@ -74,6 +74,10 @@ def feed_padding(lengths: list[int], calls: list[list[int]], engine_name: str) -
 
 
 def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> ShardResult:
+    if shard.format == "openai-batch":  # a request per line, each with its own parameters
+        from tokenmill.openai_batch import run_openai_batch_shard
+
+        return run_openai_batch_shard(shard, spec, engine)
     started = time.perf_counter()
     model_path = resolve_model(spec.model_name)
     store = OutputStore(spec.output, spec.storage_options)

@@ -286,6 +286,20 @@ class IndexSpec(_Spec):
     seed: int = Field(0, description="Changes which rows are the training sample and the held-out queries.")
 
 
+class OpenAIBatchSpec(_Spec):
+    """OpenAI Batch input (format: openai-batch): which `model` names a request may give, and endpoints."""
+
+    model_config = ConfigDict(title="OpenAI Batch")
+
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict, description="A request's `model` -> the job's model it runs on, e.g. "
+        "{gpt-4o-mini: SmolLM2-135M-Instruct}. A request naming any other model gets an error line.")
+    mixed_endpoints: bool = Field(
+        False, description="Let one file mix endpoints (/v1/chat/completions with /v1/completions). Off: a "
+        "file that mixes them fails the job. Lines for another mode (/v1/embeddings in a generate job) get "
+        "error lines.")
+
+
 def _form_asks_for_paths(schema: dict[str, Any]) -> None:
     # The demo corpus exists only in a checkout that ran `tokenmill sample-corpus`: the form and the
     # API behind it ask for input and output instead of offering it. JobSpec() in Python keeps it.
@@ -301,9 +315,17 @@ class JobSpec(_Spec):
     model_config = ConfigDict(title="Batch job", json_schema_extra=_form_asks_for_paths)
 
     input: str = Field(DEFAULT_INPUT, description="A file, directory or glob; local or s3://.")
-    format: Literal["auto", "parquet", "jsonl"] = Field(
-        "auto", description="'auto' detects it from each file's extension."
+    format: Literal["auto", "parquet", "jsonl", "openai-batch"] = Field(
+        "auto", description="'auto' detects it from each file's extension; a .jsonl file whose lines are "
+        "OpenAI Batch requests (custom_id, method, url, body) is read as openai-batch."
     )
+    output_format: Literal["auto", "parquet", "openai-batch"] = Field(
+        "auto", description="openai-batch: besides the Parquet output, OpenAI Batch result and error files "
+        "and a batch object under <output>/_openai/ (needs openai-batch input). auto: openai-batch for "
+        "openai-batch input. parquet: the Parquet output only.")
+    openai_batch: OpenAIBatchSpec = Field(
+        default_factory=lambda: OpenAIBatchSpec(), title="OpenAI Batch",
+        description="How OpenAI Batch request lines are checked against the job.")
     id_column: str = Field(
         "id", description="Column with each row's unique, non-null id; outputs and rejects carry it as `id`.")
     text_column: str = Field("text", description="Column with the text to embed, or the {text} of the prompts.")

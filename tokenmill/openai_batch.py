@@ -1,0 +1,852 @@
+"""OpenAI Batch JSONL, in and out: the files teams already have for the OpenAI Batch API (and `vllm
+run-batch`), run on the job's own engine, answered in OpenAI's own output schema.
+
+Input: one request a line, `{"custom_id", "method": "POST", "url", "body"}` for /v1/chat/completions,
+/v1/completions or /v1/embeddings. The body is that row's request: its messages or prompt, its sampling
+(max_tokens, temperature, top_p, stop, n, seed, logprobs, response_format), its embedding input and
+dimensions. Fields a body leaves out take the job's `generation` settings. A line that cannot run (not
+JSON, no custom_id, a custom_id seen before, an unknown endpoint or method, a body the endpoint does not
+take, another model) becomes an error line with OpenAI's error shape and the rest run.
+
+Output, per shard (written with the shard, so resume, retries and the fleet need nothing new):
+    <shard_id>.parquet                       the output dataset as for any job (id = custom_id; the first
+                                             choice's text, or the first input's vector)
+    _openai/shards/<shard_id>.output.jsonl   result lines: {id, custom_id, response: {status_code,
+                                             request_id, body}, error: null}
+    _openai/shards/<shard_id>.errors.jsonl   error lines, same schema, error: {code, message}
+    _openai/shards/<shard_id>.json           the shard's counts and times
+and at the end of the job (write_batch_files):
+    _openai/output.jsonl, _openai/errors.jsonl, _openai/batch.json (shaped like OpenAI's Batch object).
+Rows in = result lines + error lines.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import logging
+import math
+import posixpath
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tokenmill import progress
+from tokenmill.digest import stable_digest
+from tokenmill.errors import InputError
+from tokenmill.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+ENDPOINT_MODES = {CHAT: "generate", COMPLETIONS: "generate", EMBEDDINGS: "embed"}
+REQUIRED_KEYS = ("custom_id", "method", "url", "body")
+
+OPENAI_DIR = "_openai"
+OUTPUT_FILE = "output.jsonl"
+ERRORS_FILE = "errors.jsonl"
+BATCH_FILE = "batch.json"
+# OpenAI's Batch object names a completion window; tokenmill has none (plan for yours: `tokenmill plan`).
+COMPLETION_WINDOW = "none"
+
+
+# --- request bodies ------------------------------------------------------------------------------
+
+class _Body(BaseModel):
+    # A field the endpoint does not take is an error for that line, not a field silently dropped.
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    user: str | None = None  # accepted and ignored, as by OpenAI's batch runner
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    stream: Literal[False] | None = Field(None, description="a batch answers whole; stream must be false")
+
+
+class _Sampling(_Body):
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part of type {part.get('type')!r}: only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ResponseFormatIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatBody(_Sampling):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormatIn | None = None
+    service_tier: str | None = None
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: Literal[False] | None = None
+
+
+class EmbeddingBody(_Body):
+    input: str | list[str] | list[int] | list[list[int]]
+    dimensions: int | None = Field(None, ge=1)
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+BODIES: dict[str, type[_Body]] = {CHAT: ChatBody, COMPLETIONS: CompletionBody, EMBEDDINGS: EmbeddingBody}
+
+
+# --- lines -----------------------------------------------------------------------------------------
+
+@dataclass
+class BatchLine:
+    """One valid request of the file."""
+
+    offset: int  # byte offset of the line in its file
+    custom_id: str
+    url: str
+    body: Any  # ChatBody | CompletionBody | EmbeddingBody
+
+
+@dataclass
+class LineError:
+    """One line that gets an error line instead of a result."""
+
+    offset: int
+    custom_id: str | None
+    code: str
+    message: str
+    status_code: int = 400
+
+
+@dataclass
+class ParsedLines:
+    lines: list[BatchLine] = field(default_factory=list)
+    errors: list[LineError] = field(default_factory=list)
+
+    @property
+    def rows_in(self) -> int:
+        return len(self.lines) + len(self.errors)
+
+
+def parse_lines(data: bytes, byte_start: int = 0) -> ParsedLines:
+    """Every non-blank line of a byte range: a valid request or the reason it is not one."""
+    parsed = ParsedLines()
+    seen: set[str] = set()
+    offset = byte_start
+    for raw in data.split(b"\n"):
+        line_offset, offset = offset, offset + len(raw) + 1
+        if not raw.strip():
+            continue
+        result = parse_line(raw, line_offset)
+        if isinstance(result, BatchLine):
+            if result.custom_id in seen:
+                result = LineError(line_offset, result.custom_id, "duplicate_custom_id",
+                                   f"custom_id {result.custom_id!r} is used by an earlier line; each line "
+                                   "needs its own")
+            else:
+                seen.add(result.custom_id)
+        (parsed.lines if isinstance(result, BatchLine) else parsed.errors).append(result)
+    return parsed
+
+
+def parse_line(raw: bytes, offset: int = 0) -> BatchLine | LineError:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return LineError(offset, None, "invalid_json", f"line is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+    except json.JSONDecodeError as exc:
+        return LineError(offset, None, "invalid_json", f"line is not valid JSON ({exc.msg} at column {exc.colno})")
+    if not isinstance(record, dict):
+        return LineError(offset, None, "invalid_json", f"line is a JSON {type(record).__name__}, not an object")
+    custom_id = record.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return LineError(offset, None, "missing_custom_id", "line has no custom_id (a non-empty string)")
+    unknown = sorted(set(record) - set(REQUIRED_KEYS))
+    if unknown:
+        return LineError(offset, custom_id, "invalid_request",
+                         f"line has fields a batch line does not take: {', '.join(unknown)}")
+    method, url = record.get("method"), record.get("url")
+    if not isinstance(method, str) or method.upper() != "POST":
+        return LineError(offset, custom_id, "invalid_method", f"method {method!r} is not supported; use POST")
+    if url not in BODIES:
+        return LineError(offset, custom_id, "invalid_url",
+                         f"url {url!r} is not a supported endpoint; supported: {', '.join(BODIES)}")
+    body = record.get("body")
+    if not isinstance(body, dict):
+        return LineError(offset, custom_id, "invalid_request", "body must be a JSON object")
+    try:
+        model = BODIES[url].model_validate(body)
+        if isinstance(model, ChatBody):
+            for message in model.messages:
+                message.text()
+            if model.top_logprobs and not model.logprobs:
+                raise ValueError("top_logprobs needs logprobs: true")
+            if model.response_format and model.response_format.type == "json_schema":
+                schema = (model.response_format.json_schema or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        if isinstance(model, CompletionBody) and isinstance(model.prompt, list) and model.prompt and \
+                isinstance(model.prompt[0], str) and len(model.prompt) != 1:
+            raise ValueError("prompt: one prompt per line (a list of prompts is not supported)")
+        if isinstance(model, (ChatBody, CompletionBody)) and isinstance(model.stop, list) and len(model.stop) > 4:
+            raise ValueError("stop: at most 4 sequences")
+        if isinstance(model, EmbeddingBody) and _embedding_inputs_empty(model.input):
+            raise ValueError("input must not be empty (nor hold an empty string)")
+    except ValidationError as exc:
+        return LineError(offset, custom_id, "invalid_request", f"body is not a valid {url} request: "
+                         + _first_error(exc))
+    except ValueError as exc:
+        return LineError(offset, custom_id, "invalid_request", f"body is not a valid {url} request: {exc}")
+    return BatchLine(offset, custom_id, url, model)
+
+
+def _first_error(exc: ValidationError) -> str:
+    errors = exc.errors()
+    extra = [".".join(map(str, e["loc"])) for e in errors if e["type"] == "extra_forbidden"]
+    if extra:
+        return f"fields it does not take: {', '.join(extra)}"
+    first = errors[0]
+    where = ".".join(str(p) for p in first["loc"] if not isinstance(p, str) or not p.startswith(("list[", "str")))
+    return f"{where or 'body'}: {first['msg']}"
+
+
+def _embedding_inputs_empty(value: Any) -> bool:
+    if isinstance(value, str):
+        return not value
+    return not value or any((isinstance(v, (str, list)) and not v) for v in value)
+
+
+def sniff_openai_batch(first_line: bytes) -> bool:
+    """Whether a JSONL file's first line is an OpenAI Batch request."""
+    try:
+        record = json.loads(first_line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(record, dict) and all(key in record for key in REQUIRED_KEYS)
+
+
+def file_mode(first_line: bytes) -> str | None:
+    """The mode (embed or generate) a file's first request needs, if its first line says."""
+    try:
+        record = json.loads(first_line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return ENDPOINT_MODES.get(record.get("url")) if isinstance(record, dict) else None
+
+
+def line_text(record: Any) -> str | None:
+    """A request's text as one string (the last user message, the prompt, the first input): what a
+    gate sample or a plain reader of the file sees."""
+    if not isinstance(record, dict) or not isinstance(record.get("body"), dict):
+        return None
+    body = record["body"]
+    if isinstance(body.get("messages"), list):
+        users = [m for m in body["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+        content = (users or body["messages"] or [{}])[-1].get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return content if isinstance(content, str) else None
+    for key in ("prompt", "input"):
+        value = body.get(key)
+        if isinstance(value, list) and value and isinstance(value[0], str):
+            value = value[0]
+        if isinstance(value, str):
+            return value
+    return None
+
+
+# --- models ----------------------------------------------------------------------------------------
+
+def accepted_models(spec: JobSpec, model_path: str) -> set[str]:
+    """The `model` values a body may name: the job's model (its name, or its path, or the path's last
+    part), and any alias in openai_batch.model_aliases that maps to one of those."""
+    own = {spec.model_name, str(model_path), posixpath.basename(str(model_path).rstrip("/")),
+           posixpath.basename(spec.model_name.rstrip("/"))}
+    aliases = {alias for alias, target in spec.openai_batch.model_aliases.items() if target in own}
+    return own | aliases
+
+
+def check_models(parsed: ParsedLines, spec: JobSpec, model_path: str) -> None:
+    accepted = accepted_models(spec, model_path)
+    kept = []
+    for line in parsed.lines:
+        if line.body.model is not None and line.body.model not in accepted:
+            parsed.errors.append(LineError(
+                line.offset, line.custom_id, "model_not_found",
+                f"model {line.body.model!r} is not this job's model ({spec.model_name}); map it with "
+                f"openai_batch.model_aliases: {{{line.body.model!r}: {spec.model_name!r}}} to run it there"))
+        else:
+            kept.append(line)
+    parsed.lines = kept
+
+
+def check_endpoints(parsed: ParsedLines, spec: JobSpec, uri: str, file_endpoint: str | None) -> None:
+    """One endpoint per file unless the job allows mixing; lines for the other mode are line errors."""
+    endpoints = {line.url for line in parsed.lines}
+    if file_endpoint in ENDPOINT_MODES:
+        endpoints.add(file_endpoint)
+    if len(endpoints) > 1 and not spec.openai_batch.mixed_endpoints:
+        raise InputError(uri, f"the file mixes endpoints ({', '.join(sorted(endpoints))}); run one endpoint per "
+                              "file, or set openai_batch.mixed_endpoints: true to run them in one job")
+    runnable = [line for line in parsed.lines if ENDPOINT_MODES[line.url] == spec.mode]
+    if parsed.lines and not runnable and len(endpoints) == 1:
+        (endpoint,) = endpoints
+        raise InputError(uri, f"the file's requests are for {endpoint}, which needs mode: "
+                              f"{ENDPOINT_MODES[endpoint]}; this job is mode: {spec.mode}")
+    for line in parsed.lines:
+        if ENDPOINT_MODES[line.url] != spec.mode:
+            parsed.errors.append(LineError(
+                line.offset, line.custom_id, "invalid_url",
+                f"{line.url} needs a job of mode {ENDPOINT_MODES[line.url]}; this job is mode {spec.mode} with "
+                f"model {spec.model_name}: run those lines as a job of their own"))
+    parsed.lines = runnable
+
+
+# --- prompts and sampling --------------------------------------------------------------------------
+
+def encode_line(line: BatchLine, tokenizer) -> list[list[int]]:
+    """Token ids of a request: one prompt (chat, completions), or one per embedding input."""
+    body = line.body
+    if line.url == CHAT:
+        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in body.messages]
+        rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return [tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+    if line.url == COMPLETIONS:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return [list(prompt)]
+        text = prompt[0] if isinstance(prompt, list) else prompt
+        return [tokenizer(text, add_special_tokens=True)["input_ids"]]
+    inputs = body.input
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if inputs and isinstance(inputs[0], int):
+        return [list(inputs)]
+    if inputs and isinstance(inputs[0], list):
+        return [list(ids) for ids in inputs]
+    return tokenizer(list(inputs), add_special_tokens=True)["input_ids"]
+
+
+def sampling_kwargs(line: BatchLine, spec: JobSpec, prompt_tokens: int, context: int) -> dict[str, Any] | LineError:
+    """One request's sampling over the job's (the engine's per-row overrides, vllm.SamplingParams names):
+    the body's fields, the job's `generation` settings where the body has none; an error when the
+    prompt leaves no room in the context."""
+    body, defaults = line.body, spec.generation
+    asked = getattr(body, "max_completion_tokens", None) or body.max_tokens or defaults.max_tokens
+    room = context - prompt_tokens
+    max_tokens = asked
+    if asked > room:
+        if room < 1 or spec.overlong == "reject":
+            return LineError(line.offset, line.custom_id, "context_length_exceeded",
+                             f"the prompt has {prompt_tokens} tokens and asks for {asked} more; the model's "
+                             f"context is {context} tokens")
+        max_tokens = room  # overlong: truncate shortens the answer, never the request
+    kwargs: dict[str, Any] = {
+        "logprobs": None, "response_format": None,  # only what the request asks for
+        "max_tokens": max_tokens,
+        "temperature": body.temperature if body.temperature is not None else defaults.temperature,
+        "top_p": body.top_p if body.top_p is not None else defaults.top_p,
+        "seed": body.seed if body.seed is not None else defaults.seed,
+        "n": body.n,
+    }
+    if body.stop:
+        kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    if body.presence_penalty is not None:
+        kwargs["presence_penalty"] = body.presence_penalty
+    if body.frequency_penalty is not None:
+        kwargs["frequency_penalty"] = body.frequency_penalty
+    if isinstance(body, ChatBody):
+        if body.logprobs:
+            kwargs["logprobs"] = body.top_logprobs or 0
+        if body.response_format is not None and body.response_format.type == "json_schema":
+            kwargs["structured_outputs"] = {"json": body.response_format.json_schema["schema"]}
+        elif body.response_format is not None and body.response_format.type == "json_object":
+            kwargs["structured_outputs"] = {"json_object": True}
+    elif body.logprobs is not None:
+        kwargs["logprobs"] = body.logprobs
+    return kwargs
+
+
+def context_limit(spec: JobSpec, model_path: str) -> int:
+    from tokenmill.models import model_input_limit
+
+    limit = spec.model.max_input_tokens or model_input_limit(model_path)
+    if spec.model.engine_kwargs.get("max_model_len"):
+        limit = min(limit, int(spec.model.engine_kwargs["max_model_len"]))
+    return limit
+
+
+def matryoshka(model_path: str) -> bool:
+    """Whether the model's embeddings may be cut to fewer dimensions (vLLM reads the same config keys)."""
+    try:
+        with open(posixpath.join(model_path, "config.json")) as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("matryoshka_dimensions") or config.get("is_matryoshka"))
+
+
+# --- response bodies -------------------------------------------------------------------------------
+
+def _finish_reason(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def _top(entry: dict[str, Any], top: int) -> list[dict[str, Any]]:
+    return [c for c in entry.get("top_logprobs") or []][:top]
+
+
+def _chat_logprobs(logprobs: list[dict] | None, top: int) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    content = []
+    for entry in logprobs:
+        token = entry.get("token") or ""
+        content.append({
+            "token": token, "logprob": _finite(entry.get("logprob")), "bytes": _token_bytes(token),
+            "top_logprobs": [{"token": c.get("token") or "", "logprob": _finite(c.get("logprob")),
+                              "bytes": _token_bytes(c.get("token") or "")} for c in _top(entry, top)],
+        })
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(logprobs: list[dict] | None, top: int) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    tokens, token_logprobs, tops, offsets, position = [], [], [], [], 0
+    for entry in logprobs:
+        token = entry.get("token") or ""
+        tokens.append(token)
+        token_logprobs.append(_finite(entry.get("logprob")))
+        tops.append({c.get("token") or "": _finite(c.get("logprob")) for c in _top(entry, top)})
+        offsets.append(position)
+        position += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finite(value: float | None) -> float:
+    # JSON has no -inf; OpenAI reports -9999.0 for tokens it rules out
+    return -9999.0 if value is None or math.isnan(value) or value < -9999.0 else float(value)
+
+
+def choices_of(generation) -> tuple:
+    """Every completion of a row's Generation (n of them)."""
+    return generation.samples or (generation,)
+
+
+def generation_body(line: BatchLine, generation, prompt_tokens: int, model: str, request_key: str,
+                    created: int) -> dict[str, Any]:
+    """A chat.completion or text_completion object from one row's Generation."""
+    completions = choices_of(generation)
+    completion_tokens = sum(c.output_tokens for c in completions)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if line.url == CHAT:
+        top = line.body.top_logprobs or 0
+        choices = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "logprobs": _chat_logprobs(c.logprobs, top) if line.body.logprobs else None,
+                    "finish_reason": _finish_reason(c.finish_reason)}
+                   for i, c in enumerate(completions)]
+        return {"id": f"chatcmpl-{request_key}", "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage, "system_fingerprint": None}
+    top = line.body.logprobs or 0
+    choices = [{"index": i, "text": c.text,
+                "logprobs": _completion_logprobs(c.logprobs, top) if line.body.logprobs is not None else None,
+                "finish_reason": _finish_reason(c.finish_reason)}
+               for i, c in enumerate(completions)]
+    return {"id": f"cmpl-{request_key}", "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage, "system_fingerprint": None}
+
+
+def embedding_body(line: BatchLine, vectors: list[np.ndarray], prompt_tokens: int, model: str) -> dict[str, Any]:
+    data = []
+    for index, vector in enumerate(vectors):
+        values = np.asarray(vector, dtype=np.float32)
+        if line.body.encoding_format == "base64":
+            embedding: Any = base64.b64encode(values.astype("<f4").tobytes()).decode("ascii")
+        else:
+            embedding = values.tolist()
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def cut_dimensions(vector: np.ndarray, dimensions: int | None) -> np.ndarray:
+    """Matryoshka: the first `dimensions` values, normalized again (what vLLM does)."""
+    if dimensions is None or dimensions >= vector.shape[0]:
+        return vector
+    cut = vector[:dimensions]
+    norm = float(np.linalg.norm(cut))
+    return cut / norm if norm > 0 else cut
+
+
+def result_line(key: str, custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f"batch_req_{key}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": f"req_{key}", "body": body}, "error": None}
+
+
+def error_line(key: str, error: LineError) -> dict[str, Any]:
+    """OpenAI's error line: the error as {code, message}, and the HTTP answer it would have had."""
+    return {"id": f"batch_req_{key}", "custom_id": error.custom_id,
+            "response": {"status_code": error.status_code, "request_id": f"req_{key}",
+                         "body": {"error": {"message": error.message, "type": "invalid_request_error",
+                                            "param": None, "code": error.code}}},
+            "error": {"code": error.code, "message": error.message}}
+
+
+def _jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n" for line in lines).encode()
+
+
+# --- one shard -------------------------------------------------------------------------------------
+
+def shard_files(store, shard_id: str) -> dict[str, str]:
+    folder = store.path(OPENAI_DIR, "shards")
+    return {"output": posixpath.join(folder, f"{shard_id}.output.jsonl"),
+            "errors": posixpath.join(folder, f"{shard_id}.errors.jsonl"),
+            "record": posixpath.join(folder, f"{shard_id}.json")}
+
+
+def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
+    """One shard of an OpenAI Batch file: parse, check, run each request with its own parameters,
+    write the Parquet output, the rejects and the OpenAI result and error lines."""
+    from tokenmill.engines import discard_engine, engine_died, get_engine
+    from tokenmill.models import load_tokenizer, resolve_model
+    from tokenmill.outputs import OutputStore, rejects_table
+    from tokenmill.results import ShardResult
+    from tokenmill.shards import read_first_line, read_shard_bytes
+    from tokenmill.storage import describe_error
+
+    started, started_at = time.perf_counter(), int(time.time())
+    model_path = resolve_model(spec.model_name)
+    if spec.mode == "generate" and spec.model.engine != "vllm":
+        if spec.model.engine == "transformers":
+            raise InputError(shard.uri, "OpenAI Batch generation runs each request with its own sampling "
+                                        "parameters, which needs model.engine: vllm")
+        spec = spec.model_copy(update={"model": spec.model.model_copy(update={"engine": "vllm"})})
+    store = OutputStore(spec.output, spec.storage_options)
+    parsed = parse_lines(read_shard_bytes(shard, spec.storage_options), shard.byte_start)
+    rows_in = parsed.rows_in
+    first = read_first_line(shard, spec.storage_options) if shard.byte_start else b""
+    first_endpoint = None
+    if first:
+        try:
+            first_endpoint = json.loads(first).get("url")
+        except (ValueError, AttributeError):
+            first_endpoint = None
+    check_endpoints(parsed, spec, shard.uri, first_endpoint)
+    check_models(parsed, spec, model_path)
+
+    tokenizer = load_tokenizer(model_path)
+    context = context_limit(spec, model_path)
+    can_cut = matryoshka(model_path) if spec.mode == "embed" else False
+    runnable: list[tuple[BatchLine, list[list[int]], Any]] = []  # line, token ids, sampling kwargs
+    truncated: dict[str, bool] = {}
+    for line in parsed.lines:
+        try:
+            token_ids = encode_line(line, tokenizer)
+        except Exception as exc:  # noqa: BLE001 - a template that refuses these messages: this line's error
+            parsed.errors.append(LineError(line.offset, line.custom_id, "invalid_request",
+                                           f"cannot render the request: {exc}"))
+            continue
+        if spec.mode == "generate":
+            kwargs = sampling_kwargs(line, spec, len(token_ids[0]), context)
+            if isinstance(kwargs, LineError):
+                parsed.errors.append(kwargs)
+                continue
+            runnable.append((line, token_ids, kwargs))
+            continue
+        dimensions = line.body.dimensions
+        if dimensions is not None and not can_cut:
+            parsed.errors.append(LineError(line.offset, line.custom_id, "invalid_request",
+                                           f"dimensions: {spec.model_name} does not support other output "
+                                           "dimensions (not a matryoshka model)"))
+            continue
+        long_inputs = [i for i, ids in enumerate(token_ids) if len(ids) > context]
+        if long_inputs and spec.overlong == "reject":
+            parsed.errors.append(LineError(line.offset, line.custom_id, "context_length_exceeded",
+                                           f"input {long_inputs[0]} has {len(token_ids[long_inputs[0]])} tokens; "
+                                           f"the model takes at most {context}"))
+            continue
+        if long_inputs:  # keep the closing special token, as the tokenizer's own truncation does
+            token_ids = [ids if len(ids) <= context else ids[: context - 1] + ids[-1:] for ids in token_ids]
+            truncated[line.custom_id] = True
+        runnable.append((line, token_ids, None))
+
+    progress.emit("shard_started", shard_id=shard.shard_id, rows=len(runnable))
+    outputs: list = []
+    engine_seconds = 0.0
+    if runnable:
+        def run(current):
+            return _run_requests(current, spec, runnable, shard.shard_id)
+        try:
+            outputs, engine_seconds = run(engine or get_engine(model_path, spec))
+        except Exception as exc:
+            if not engine_died(exc):
+                raise
+            log.warning("engine died during shard %s (%s); restarting it once and retrying the shard",
+                        shard.shard_id, describe_error(exc))
+            progress.emit("shard_restarted", shard_id=shard.shard_id)
+            discard_engine(model_path, spec)
+            outputs, engine_seconds = run(get_engine(model_path, spec))
+
+    created = int(time.time())
+    results, rows = [], []
+    input_tokens = output_tokens = 0
+    for (line, token_ids, _), output in zip(runnable, outputs):
+        key = stable_digest([shard.fingerprint, line.custom_id], 24)
+        model = line.body.model or spec.model_name
+        prompt_tokens = sum(len(ids) for ids in token_ids)
+        if spec.mode == "generate":
+            body = generation_body(line, output, prompt_tokens, model, key, created)
+            first_choice = choices_of(output)[0]
+            rows.append({"id": line.custom_id, "output_text": first_choice.text,
+                         "input_tokens": prompt_tokens, "output_tokens": body["usage"]["completion_tokens"],
+                         "truncated": False, "finish_reason": _finish_reason(first_choice.finish_reason)})
+            output_tokens += body["usage"]["completion_tokens"]
+        else:
+            vectors = [cut_dimensions(v, line.body.dimensions) for v in output]
+            body = embedding_body(line, vectors, prompt_tokens, model)
+            rows.append({"id": line.custom_id, "embedding": vectors[0], "input_tokens": prompt_tokens,
+                         "output_tokens": 0, "truncated": truncated.get(line.custom_id, False)})
+        input_tokens += prompt_tokens
+        results.append(result_line(key, line.custom_id, body))
+
+    errors = sorted(parsed.errors, key=lambda e: e.offset)
+    error_lines = [error_line(stable_digest([shard.fingerprint, e.offset], 24), e) for e in errors]
+    files = shard_files(store, shard.shard_id)
+    store.delete(store.shard_duplicates(shard.shard_id))
+    store.write_table(store.shard_output(shard.shard_id), _output_table(rows, spec.mode))
+    store.write_table(store.shard_rejects(shard.shard_id), rejects_table(
+        shard.shard_id, shard.uri, [(e.offset, e.custom_id, f"{e.code}: {e.message}") for e in errors], True))
+    store.write_bytes(files["output"], _jsonl(results))
+    store.write_bytes(files["errors"], _jsonl(error_lines))
+    endpoints = sorted({line.url for line, _, _ in runnable} | {
+        e for e in (first_endpoint,) if e in ENDPOINT_MODES})
+    store.write_json(files["record"], {"shard_id": shard.shard_id, "uri": shard.uri, "endpoints": endpoints,
+                                       "completed": len(results), "failed": len(error_lines),
+                                       "input_tokens": input_tokens, "output_tokens": output_tokens,
+                                       "started_at": started_at, "finished_at": int(time.time())})
+    lengths = [sum(len(ids) for ids in token_ids) for _, token_ids, _ in runnable]
+    result = ShardResult(
+        shard_id=shard.shard_id, fingerprint=shard.fingerprint, uri=shard.uri,
+        output=store.shard_output(shard.shard_id), rows_in=rows_in, rows_out=len(results),
+        rows_rejected=len(error_lines), rows_truncated=sum(truncated.values()), input_tokens=input_tokens,
+        output_tokens=output_tokens, batches=max(1, -(-len(runnable) // 4096)) if runnable else 0,
+        real_tokens=sum(lengths), padded_slots=sum(lengths), baseline_padded_slots=sum(lengths),
+        engine_seconds=engine_seconds, seconds=time.perf_counter() - started)
+    if result.rows_in != result.rows_out + result.rows_rejected:
+        raise AssertionError(f"shard {shard.shard_id}: {rows_in} lines in, {len(results)} results, "
+                             f"{len(error_lines)} errors")
+    store.write_json(store.shard_record(shard.shard_id), result.model_dump())
+    progress.emit("shard_done", shard_id=shard.shard_id, result=result)
+    return result
+
+
+FEED_CHUNK_REQUESTS = 4096  # as the runner's FEED_CHUNK_ROWS: bounds memory, keeps vLLM's scheduler full
+
+
+def _run_requests(engine, spec: JobSpec, runnable, shard_id: str) -> tuple[list, float]:
+    """Per request: its Generation (generate; every choice in `samples` when n > 1), or the list of its
+    inputs' vectors (embed)."""
+    seconds = 0.0
+    if spec.mode == "generate":
+        outputs = []
+        for start in range(0, len(runnable), FEED_CHUNK_REQUESTS):
+            chunk = runnable[start:start + FEED_CHUNK_REQUESTS]
+            began = time.perf_counter()
+            outputs += engine.generate([ids[0] for _, ids, _ in chunk], spec.generation,
+                                       [kw for _, _, kw in chunk])
+            seconds += time.perf_counter() - began
+            progress.emit("rows_done", shard_id=shard_id, rows=len(chunk))
+        return outputs, seconds
+    from tokenmill.bucketing import plan_batches, restore_order
+
+    flat = [ids for _, token_ids, _ in runnable for ids in token_ids]
+    batching = spec.batching
+    batches = plan_batches([len(ids) for ids in flat], batching.token_budget, batching.max_batch_size,
+                           batching.length_tolerance)
+    by_batch = []
+    for batch in batches:
+        began = time.perf_counter()
+        by_batch.append(engine.embed([flat[i] for i in batch]))
+        seconds += time.perf_counter() - began
+    vectors = restore_order(batches, by_batch)
+    outputs, position = [], 0
+    for _, token_ids, _ in runnable:
+        outputs.append(vectors[position:position + len(token_ids)])
+        position += len(token_ids)
+    progress.emit("rows_done", shard_id=shard_id, rows=len(runnable))
+    return outputs, seconds
+
+
+def _output_table(rows: list[dict[str, Any]], mode: str) -> pa.Table:
+    columns: dict[str, pa.Array] = {"id": pa.array([r["id"] for r in rows], pa.string())}
+    if mode == "embed":
+        from tokenmill.outputs import _embedding_array
+
+        columns["embedding"] = _embedding_array([r["embedding"] for r in rows])
+    else:
+        columns["output_text"] = pa.array([r["output_text"] for r in rows], pa.string())
+    columns["input_tokens"] = pa.array([r["input_tokens"] for r in rows], pa.int32())
+    columns["output_tokens"] = pa.array([r["output_tokens"] for r in rows], pa.int32())
+    columns["truncated"] = pa.array([r["truncated"] for r in rows], pa.bool_())
+    if mode == "generate":
+        columns["finish_reason"] = pa.array([r["finish_reason"] for r in rows], pa.string())
+    return pa.table(columns)
+
+
+# --- the job's files -------------------------------------------------------------------------------
+
+def write_batch_files(spec: JobSpec, results) -> dict[str, Any] | None:
+    """_openai/output.jsonl, errors.jsonl and batch.json from the shards' lines, in shard order; None when
+    no shard of the job is an OpenAI Batch shard. Lines whose custom_id an earlier shard holds (the
+    cross-shard audit moved them to rejects) become error lines. A file none of whose lines ran fails
+    the job, after the files are written."""
+    from tokenmill.outputs import OutputStore
+
+    if spec.output_format == "parquet":
+        return None
+    store = OutputStore(spec.output, spec.storage_options)
+    ordered = sorted(results, key=lambda r: r.shard_id)
+    records = {r.shard_id: store.read_json(shard_files(store, r.shard_id)["record"]) for r in ordered
+               if store.exists(shard_files(store, r.shard_id)["record"])}
+    if not records:
+        return None
+    finalizing_at = int(time.time())
+    output, errors = bytearray(), bytearray()
+    completed = failed = input_tokens = output_tokens = 0
+    per_file: dict[str, list[int]] = {}
+    endpoints: set[str] = set()
+    for result in ordered:
+        if result.shard_id not in records:
+            continue
+        files = shard_files(store, result.shard_id)
+        duplicates = _duplicate_ids(store, result.shard_id)
+        counts = per_file.setdefault(result.uri, [0, 0])
+        endpoints.update(records[result.shard_id]["endpoints"])
+        for raw in store.read_bytes(files["output"]).splitlines():
+            line = json.loads(raw)
+            if line["custom_id"] in duplicates:
+                moved = LineError(0, line["custom_id"], "duplicate_custom_id",
+                                  f"custom_id {line['custom_id']!r} is used by a line of an earlier shard")
+                errors += _jsonl([error_line(line["id"][len("batch_req_"):], moved)])
+                failed += 1
+                counts[1] += 1
+                continue
+            usage = line["response"]["body"]["usage"]
+            input_tokens += usage["prompt_tokens"]
+            output_tokens += usage.get("completion_tokens", 0)
+            output += raw + b"\n"
+            completed += 1
+            counts[0] += 1
+        error_bytes = store.read_bytes(files["errors"])
+        failed_here = len(error_bytes.splitlines())
+        errors += error_bytes
+        failed += failed_here
+        counts[1] += failed_here
+    folder = store.path(OPENAI_DIR)
+    store.write_bytes(posixpath.join(folder, OUTPUT_FILE), bytes(output))
+    store.write_bytes(posixpath.join(folder, ERRORS_FILE), bytes(errors))
+    dead = sorted(uri for uri, (done, bad) in per_file.items() if done == 0 and bad > 0)
+    created_at = min(r["started_at"] for r in records.values())
+    completed_at = int(time.time())
+    batch = {
+        "id": f"batch_{stable_digest([spec.input, spec.output, spec.model_name], 24)}",
+        "object": "batch",
+        "endpoint": next(iter(endpoints)) if len(endpoints) == 1 else ",".join(sorted(endpoints)),
+        "errors": {"object": "list", "data": [
+            {"code": "no_valid_lines", "message": f"{uri}: no line is a valid request", "param": None, "line": None}
+            for uri in dead]} if dead else None,
+        "input_file_id": spec.input,
+        "completion_window": COMPLETION_WINDOW,
+        "status": "failed" if dead else "completed",
+        "output_file_id": posixpath.join(OPENAI_DIR, OUTPUT_FILE),
+        "error_file_id": posixpath.join(OPENAI_DIR, ERRORS_FILE),
+        "created_at": created_at,
+        "in_progress_at": created_at,
+        "expires_at": None,
+        "finalizing_at": finalizing_at,
+        "completed_at": None if dead else completed_at,
+        "failed_at": completed_at if dead else None,
+        "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+        "request_counts": {"total": completed + failed, "completed": completed, "failed": failed},
+        "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": input_tokens + output_tokens},
+        "model": spec.model_name,
+        "metadata": {"tokenmill_output": spec.output,
+                     "finished": dt.datetime.fromtimestamp(completed_at, dt.UTC).isoformat()},
+    }
+    store.write_json(posixpath.join(folder, BATCH_FILE), batch)
+    if dead:
+        raise InputError(", ".join(dead), f"no line is a valid request ({failed} lines failed); the reasons are in "
+                                          f"{posixpath.join(folder, ERRORS_FILE)}")
+    return batch
+
+
+def _duplicate_ids(store, shard_id: str) -> set[str]:
+    path = store.shard_duplicates(shard_id)
+    if not store.exists(path):
+        return set()
+    return {str(i) for i in store.read_table(path, columns=["id"]).column("id").to_pylist()}
+
+
+def input_mode(spec: JobSpec) -> str | None:
+    """The mode (embed or generate) the job's input asks for, when its first file is an OpenAI Batch
+    file: the endpoint of that file's first line. None for any other input."""
+    from tokenmill.shards import JSONL_SUFFIXES, first_line, list_input_files
+
+    if spec.format not in ("auto", "openai-batch"):
+        return None
+    try:
+        fs, _, files = list_input_files(spec.input, spec.storage_options)
+        path = files[0]
+        if spec.format == "auto" and not path.lower().endswith(JSONL_SUFFIXES):
+            return None
+        line = first_line(fs, path)
+    except (InputError, OSError):
+        return None  # the job reports what is wrong with its input
+    if spec.format == "auto" and not sniff_openai_batch(line):
+        return None
+    return file_mode(line)
