@@ -427,6 +427,59 @@ def compare_memory_scaling(x1: Path, x10: Path, scratch: Path) -> MemoryScaling:
                          x10=peak_memory_of_run(x10, scratch, MAX_SHARD_ROWS))
 
 
+@dataclass
+class IndexBuildRun:
+    rows: int
+    kind: str
+    recall_at_10: float
+    build_s: float
+    embed_s: float | None  # the shards' own seconds, from their records
+    index_bytes: int
+    queries_per_s: float
+    peak_gib: float  # the building process (tokenmill.index alone, no Prefect), sampled every 0.05 s
+
+
+@dataclass
+class IndexCost:
+    """The index stage over embed outputs: the default choice at 1x, HNSW forced at 1x, the default at 10x."""
+
+    default: IndexBuildRun
+    hnsw: IndexBuildRun
+    x10: IndexBuildRun
+
+    @property
+    def build_share(self) -> float | None:
+        return self.default.build_s / self.default.embed_s if self.default.embed_s else None
+
+    @property
+    def memory_ratio(self) -> float:
+        return self.x10.peak_gib / self.default.peak_gib
+
+
+def index_build_run(output: Path, kind: str) -> IndexBuildRun:
+    """`build_index` on an existing embed output in a process of its own, its peak RSS sampled."""
+    code = ("import sys; from tokenmill.index import build_index; from tokenmill.spec import JobSpec; "
+            "print(build_index(JobSpec(output=sys.argv[1], index={'kind': sys.argv[2]})).model_dump_json())")
+    process = subprocess.Popen([sys.executable, "-c", code, str(output), kind], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    with PeakMemory(process.pid) as memory:
+        stdout, stderr = process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"building the index of {output} failed:\n{stderr[-3000:]}")
+    report = json.loads(stdout.strip().splitlines()[-1])
+    return IndexBuildRun(rows=report["rows"], kind=report["kind"], recall_at_10=report["recall_at_10"],
+                         build_s=report["build_seconds"], embed_s=report["embed_seconds"],
+                         index_bytes=report["index_bytes"], queries_per_s=report["queries_per_s"],
+                         peak_gib=memory.peak_gib)
+
+
+def compare_index(x1_output: Path, x10_output: Path) -> IndexCost:
+    """The outputs of the memory runs (1x and 10x), indexed: recall@10 against exact search on held-out
+    queries, build seconds against the shards' embedding seconds, peak memory 10x vs 1x."""
+    return IndexCost(default=index_build_run(x1_output, "auto"), hnsw=index_build_run(x1_output, "hnsw"),
+                     x10=index_build_run(x10_output, "auto"))
+
+
 # --- the run, and what it reports --------------------------------------------------------------------------------
 
 @dataclass
@@ -448,6 +501,7 @@ class BenchResults:
     engines_generate: VllmVsTransformersGenerate
     memory: MemoryScaling | None
     profile_text: str
+    index: IndexCost | None = None
 
     @property
     def variants(self) -> list[Variant]:
@@ -508,16 +562,18 @@ def main(argv: list[str] | None = None) -> int:
     interleave(engines_generate.variants, args.repeats)
     close_engines()
 
-    memory = None
+    memory = index = None
     if not args.skip_memory:
         print("peak memory at 1x and 10x ...")
         memory = compare_memory_scaling(x1, x10, scratch)
+        print("the index stage over those outputs ...")
+        index = compare_index(scratch / f"out-{x1.name}", scratch / f"out-{x10.name}")
 
     results = BenchResults(
         command=command, started_at=started_at, machine=machine(), gpu=gpu_note(), docs=len(corpus.texts),
         tokens=corpus.tokens, repeats=args.repeats, end_to_end=end_to_end, offline=offline, buckets=buckets,
         sentence_transformers=vs_sentence_transformers, engines_embed=engines_embed,
-        engines_generate=engines_generate, memory=memory, profile_text=profile_text)
+        engines_generate=engines_generate, memory=memory, profile_text=profile_text, index=index)
     write_report(results, args.results)
     log_to_mlflow(figures(results), args.results, args.experiment)
     shutil.rmtree(scratch, ignore_errors=True)
@@ -600,7 +656,28 @@ def target_rows(results: BenchResults) -> list[str]:
             f"process tree {memory.x1.peak_tree_gib:.2f} → {memory.x10.peak_tree_gib:.2f} GiB; "
             f"driver alone {memory.x1.peak_main_gib:.2f} → {memory.x10.peak_main_gib:.2f} GiB "
             f"({memory.main_ratio:.2f}×); {memory.x1.rows} → {memory.x10.rows} rows"))
+    rows += index_rows(results.index)
     return rows
+
+
+def index_rows(index: IndexCost | None) -> list[str]:
+    if index is None:
+        return []
+    share = ("" if index.build_share is None
+             else f", {index.build_share:.1%} of the {index.default.embed_s:,.1f} s of embedding")
+    return [
+        _target_row(f"index, default choice ({index.default.kind}): recall@10 vs exact search",
+                    f"{index.default.recall_at_10:.3f}", "≥ 0.95", index.default.recall_at_10 >= 0.95,
+                    f"{index.default.rows} vectors; built in {index.default.build_s:.2f} s{share}; "
+                    f"{index.default.index_bytes / 2**20:.1f} MiB; {index.default.queries_per_s:,.0f} queries/s"),
+        _target_row("index, HNSW forced: recall@10 vs exact search", f"{index.hnsw.recall_at_10:.3f}", "report", None,
+                    f"built in {index.hnsw.build_s:.2f} s; {index.hnsw.index_bytes / 2**20:.1f} MiB; "
+                    f"{index.hnsw.queries_per_s:,.0f} queries/s"),
+        _target_row("index build peak memory, 10× corpus vs 1×", f"{index.memory_ratio:.2f}×", "≤ 1.3×",
+                    index.memory_ratio <= 1.3,
+                    f"{index.default.peak_gib:.2f} → {index.x10.peak_gib:.2f} GiB (the building process); "
+                    f"{index.default.rows} → {index.x10.rows} vectors, {index.x10.kind}"),
+    ]
 
 
 def variant_row(variant: Variant) -> str:
@@ -669,6 +746,11 @@ def figures(results: BenchResults) -> dict[str, float | None]:
     }
     if results.memory is not None:
         named.update(memory_10x_vs_1x=results.memory.tree_ratio, memory_main_10x_vs_1x=results.memory.main_ratio)
+    if results.index is not None:
+        named.update(index_recall_at_10=results.index.default.recall_at_10,
+                     index_hnsw_recall_at_10=results.index.hnsw.recall_at_10,
+                     index_build_share_of_embed=results.index.build_share,
+                     index_memory_10x_vs_1x=results.index.memory_ratio)
     named.update({f"tokens_per_s.{_slug(v.name)}": v.tokens_per_s for v in results.variants})
     return named
 
