@@ -24,6 +24,7 @@ from tokenmill.index import (
     build_index,
     choose_index,
     estimate_index_build,
+    plan_index,
     search_text,
 )
 from tokenmill.sample_corpus import write_sample_corpus
@@ -173,6 +174,12 @@ def test_the_rule_picks_flat_then_hnsw_then_ivfpq_with_derived_parameters():
         choose_index(2_000_000, 384, IndexSpec(pq_m=7))
     estimate = estimate_index_build(2_000_000, 384, index)
     assert estimate.kind == "ivfpq" and estimate.bytes < 2_000_000 * 384 * 4 / 10
+
+
+def test_plan_adds_the_index_build_to_the_finish():
+    text, metrics = plan_index(JobSpec(index={}), 500_000, finish_hours=1.0, window_hours=2.0)
+    assert "Index (faiss):** hnsw" in text and metrics["plan_index_build_seconds"] > 0
+    assert metrics["plan_finish_hours_with_index"] == pytest.approx(1.0 + metrics["plan_index_build_seconds"] / 3600)
 
 
 def test_an_index_on_a_generate_job_is_refused():

@@ -283,10 +283,10 @@ def build_index(spec: JobSpec, embed_seconds: float | None = None, storage_optio
     choice = choose_index(rows, dim, index)
     columns = _stored_columns(store, shards[0], index)
     queries_at, train_at = _picks(rows, index, choice.kind)
-    if choice.kind == "ivfpq" and len(train_at) < max(2 ** choice.params["nbits"], 39 * choice.params["nlist"]):
-        raise IndexBuildError(f"{store.uri}: IVF-PQ needs at least {max(2 ** choice.params['nbits'], 39 * choice.params['nlist'])} "
-                          f"training vectors and the output has {len(train_at)} besides the held-out queries; "
-                          "use index.kind flat or hnsw")
+    needed = max(2 ** choice.params["nbits"], 39 * choice.params["nlist"]) if choice.kind == "ivfpq" else 0
+    if len(train_at) < needed:
+        raise IndexBuildError(f"{store.uri}: IVF-PQ needs at least {needed} training vectors and the output has "
+                              f"{len(train_at)} besides the held-out queries; use index.kind flat or hnsw")
     if choice.kind == "ivfpq" and index.backend == "lancedb" and choice.params["nbits"] not in (4, 8):
         raise IndexBuildError(f"index.nbits={choice.params['nbits']}: LanceDB's IVF-PQ takes 4 or 8 bits per code")
     building = _scratch(store)
@@ -552,7 +552,7 @@ class IndexEstimate(BaseModel):
 
     def describe(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.params.items()) or "exact"
-        return (f"{self.kind} ({params}): ~{self.seconds:,.0f} s to build on one CPU core after the shards, "
+        return (f"{self.kind} ({params}): ~{self.seconds:,.0f} s to build on the orchestrator's CPU after the shards, "
                 f"~{self.bytes / 2**30:,.2f} GiB")
 
 
