@@ -44,6 +44,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.whole
 
 clean:
 	rm -rf output mlflow.db mlruns

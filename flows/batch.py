@@ -7,13 +7,14 @@ import time
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from tokenmill import progress
+from tokenmill import progress, timeline
 from tokenmill.engines import engine_scope
 from tokenmill.flows.fleet import dispatch_to_pool
 from tokenmill.flows.gate import GateFailed, gate_flow
 from tokenmill.gate import candidate_model
 from tokenmill.results import ShardResult
 from tokenmill.shards import ShardSpec
+from tokenmill.tasks.engine import choose_engine_task
 from tokenmill.tasks.index import build_index_task
 from tokenmill.tasks.job import PrefectJob
 from tokenmill.tasks.record import JobRecord, end_run_hook, open_run_task, record_run_task
@@ -32,6 +33,7 @@ from tokenmill.tracking import log_gate_run, log_progress
 def batch_flow(spec: PrefectJob) -> JobRecord:
     """Embed or generate over a corpus of Parquet or JSONL files, shard by shard."""
     with engine_scope():  # engines this flow starts end with it
+        timeline.mark("flow_started")
         logger = get_run_logger()
         started = time.perf_counter()
         run_id = open_run_task(spec)  # RUNNING from now on, so the MLflow UI shows the live job
@@ -47,6 +49,9 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
                                gate_report.reference.model)
             spec = spec.model_copy(update={"model": chosen})
         shards = discover_shards_task(spec)
+        engine_choice = None
+        if spec.model.engine == "auto" and spec.dispatch == "local":  # a fleet's workers choose on their GPUs
+            engine_choice = choose_engine_task(spec, shards)
         expected = [s.expected_rows for s in shards]
         logger.info("%d shards from %s", len(shards), spec.input)
         progress.emit("job_started", shards=len(shards), rows=None if None in expected else sum(expected))
@@ -70,8 +75,10 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
             logger.info("\n%s", index_report.markdown())
         record = record_run_task(spec, results, time.perf_counter() - started, cached, gate_report=gate_report,
                                  fleet_metrics=fleet.metrics if fleet else None,
-                                 fleet_workers=fleet.workers if fleet else None, run_id=run_id)
+                                 fleet_workers=fleet.workers if fleet else None, run_id=run_id,
+                                 engine_choice=engine_choice)
         logger.info("\n%s", record.summary)
+        timeline.reset()  # the process's next job measures its own fixed seconds
         return record
 
 

@@ -25,8 +25,11 @@ from tokenmill.planning import (
     plan_markdown,
     plan_metrics,
 )
+from tokenmill.prediction import history_key, predict_wall
+from tokenmill.tasks.engine import choose_engine_task
 from tokenmill.tasks.job import PrefectJob
 from tokenmill.tasks.logs import with_core_logs
+from tokenmill.tasks.shards import discover_shards_task
 from tokenmill.tasks.storage import with_storage_secrets
 from tokenmill.tracking import log_stage_run
 
@@ -76,18 +79,35 @@ def plan_flow(spec: PrefectJob, window_hours: float, tokens_per_s_per_gpu: float
               preemptions_per_gpu_hour: float = 0.05, engine_start_seconds: float = 60.0,
               sample_rows: int = 512) -> PlanRecord:
     """GPUs, finish time and dollars for the corpus inside a window; a markdown artifact and an MLflow run."""
+    estimate = estimate_corpus_task(spec, sample_rows)
+    local = None  # this machine, one process: from the engine trial (engine: auto, no rate given)
+    if spec.model.engine == "auto" and tokens_per_s_per_gpu is None and not calibration_file:
+        with engine_scope():  # engines a first trial starts end with it
+            choice = choose_engine_task(spec, discover_shards_task(spec))
+        trial = choice.trial(choice.engine)
+        if trial is not None:
+            local = predict_wall(history_key(choice.cache_key, choice.engine), choice.engine, estimate.tokens,
+                                 trial.tokens_per_s, f"{choice.engine} trial on this machine", trial.start_seconds)
     if tokens_per_s_per_gpu is None:
-        if not calibration_file:
-            raise ValueError("give tokens_per_s_per_gpu, or calibration_file from tokenmill calibrate")
-        calibration = Calibration.model_validate(json.loads(Path(calibration_file).read_text()))
-        tokens_per_s_per_gpu = calibration.plateau_tokens_per_s
-        source = f"calibrated at batch size {calibration.plateau_batch_size}, {calibration_file}"
+        if calibration_file:
+            calibration = Calibration.model_validate(json.loads(Path(calibration_file).read_text()))
+            tokens_per_s_per_gpu = calibration.plateau_tokens_per_s
+            source = f"calibrated at batch size {calibration.plateau_batch_size}, {calibration_file}"
+        elif local is not None:
+            tokens_per_s_per_gpu = local.tokens_per_s
+            source = local.rate_source
+            engine_start_seconds = local.fixed_seconds
+        else:
+            raise ValueError("give tokens_per_s_per_gpu, or calibration_file from tokenmill calibrate, "
+                             "or engine: auto (its trial measures this machine)")
     else:
         source = "given"
-    estimate = estimate_corpus_task(spec, sample_rows)
     plan = make_plan(spec, estimate, tokens_per_s_per_gpu, window_hours, straggler_margin,
                      preemptions_per_gpu_hour, engine_start_seconds)
     text = plan_markdown(plan, estimate, source)
+    if local is not None:
+        text += (f"\n## On this machine, one process\n\n- **Predicted wall time:** {local.describe()}\n"
+                 f"- engine: {choice.reason}\n")
     index_metrics: dict[str, float] = {}
     if spec.index is not None:  # built after the shards: it adds to the finish
         index_text, index_metrics = plan_index(spec, estimate.rows, plan.finish_hours(), window_hours)
@@ -95,6 +115,8 @@ def plan_flow(spec: PrefectJob, window_hours: float, tokens_per_s_per_gpu: float
     get_run_logger().info("\n%s", text)
     create_markdown_artifact(text, key="tokenmill-plan", description="fleet plan")
     metrics = {**plan_metrics(plan, estimate), **index_metrics}
+    if local is not None:
+        metrics.update(plan_local_wall_seconds=local.seconds, plan_local_fixed_seconds=local.fixed_seconds)
     run_id = log_stage_run(spec, "plan", metrics, {"window_hours": window_hours, "rate_source": source,
                                                    "straggler_margin": straggler_margin,
                                                    "preemptions_per_gpu_hour": preemptions_per_gpu_hour},

@@ -3,6 +3,7 @@ flow run, ended by the record at the end or by the flow's failure hooks."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -10,6 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 from pydantic import BaseModel
 
+from tokenmill import prediction, timeline
 from tokenmill.engines import describe_engine
 from tokenmill.manifest import build_manifest
 from tokenmill.models import resolve_model
@@ -98,11 +100,41 @@ def end_run_hook(flow, flow_run, state) -> None:
                 f"{state.name}: {state.message or 'no message'}")
 
 
+def fixed_and_steady(metrics: dict[str, float]) -> dict[str, float]:
+    """This process's fixed seconds (to its first engine call, in parts) and the steady tokens/s
+    after it, apart: a short job is decided by the first, a long one by the second."""
+    now = time.time()
+    costs = timeline.fixed_costs(now)
+    first_call = timeline.marks().get("first_engine_call")
+    if first_call is not None and now > first_call:
+        costs["steady_tokens_per_s"] = (metrics.get("input_tokens", 0) + metrics.get("output_tokens", 0)) / (
+            now - first_call)
+    return costs
+
+
+def predicted_against_measured_wall(choice, engine: str, metrics: dict[str, float]) -> dict[str, float]:
+    """The whole-run prediction from the engine trial and this job shape's last run here, beside
+    this run's measurement (same tokens); then this run becomes the next one's history."""
+    trial = choice.trial(engine)
+    tokens = metrics.get("input_tokens", 0) + metrics.get("output_tokens", 0)
+    if trial is None or not choice.cache_key or not timeline.measures_process() or tokens <= 0:
+        return {}
+    key = prediction.history_key(choice.cache_key, engine)
+    predicted = prediction.predict_wall(key, engine, tokens, trial.tokens_per_s, "engine trial",
+                                        trial.start_seconds)
+    engine_seconds = metrics.get("engine_seconds", 0)
+    measured = {**metrics, "engine_tokens_per_s": tokens / engine_seconds if engine_seconds else 0}
+    prediction.remember(key, predicted, measured)
+    get_run_logger().info("predicted wall: %s", predicted.describe())
+    return prediction.compare(predicted, measured)
+
+
 @task(name="record-run", retries=2, retry_delay_seconds=[2, 10], cache_policy=NONE)
 def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: float,
                     cached_shard_ids: list[str] | None = None, tags: dict[str, str] | None = None,
                     gate_report=None, fleet_metrics: dict[str, float] | None = None,
-                    fleet_workers: list[dict[str, Any]] | None = None, run_id: str | None = None) -> JobRecord:
+                    fleet_workers: list[dict[str, Any]] | None = None, run_id: str | None = None,
+                    engine_choice=None) -> JobRecord:
     """The job's totals into its MLflow run (`run_id` from open_run_task; without it, a new
     run), which ends FINISHED, and the Prefect artifacts; with a fleet, its dispatch rounds,
     speculative copies and a table of per-worker throughput too."""
@@ -110,13 +142,23 @@ def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: flo
 
     metrics = run_metrics(results, wall_seconds, spec, set(cached_shard_ids or ()), fleet_metrics)
     engine, device = describe_engine(spec)
+    if spec.model.engine == "auto" and engine_choice is None:  # a fleet: each worker chose on its device
+        engine = ",".join(sorted({r.engine for r in results if r.engine})) or engine
     params = {**job_params(spec, engine, resolve_model(spec.model_name), device), **orchestration_params(spec)}
+    if engine_choice is not None:  # engine: auto, and why it ran on this engine
+        params.update(engine_choice.params())
+        metrics.update(engine_choice.metrics())
+    metrics.update(fixed_and_steady(metrics))
+    if engine_choice is not None:
+        metrics.update(predicted_against_measured_wall(engine_choice, engine, metrics))
     manifest = build_manifest(spec, results, len(results))
     run_id = log_run(spec, params, metrics, results, manifest, tags, gate_report, fleet_workers, run_id=run_id)
     if flow_run.id:
         _open_runs.pop(str(flow_run.id), None)
     uri = resolve_tracking_uri(spec)
     summary = summary_markdown(spec, metrics, results)
+    if engine_choice is not None:
+        summary += f"- engine: auto chose {engine_choice.reason}\n"
     if gate_report is not None:
         summary += f"\n```\n{gate_report.message()}\n```\n"
     summary += f"\nMLflow run `{run_id}` in experiment `{spec.tracking.experiment}` at `{uri}`\n"

@@ -17,9 +17,10 @@ from tokenmill.spec import ModelSpec  # noqa: E402
 from tokenmill.tasks.job import PrefectJob  # noqa: E402
 
 # One model spec for every embedding test, so the process starts one vLLM engine.
-TEST_EMBED_MODEL = ModelSpec(name="all-MiniLM-L6-v2", engine_kwargs={"gpu_memory_utilization": 0.1})
+# vLLM named, not `auto`: these tests are about vLLM (tests/test_engine_choice.py tests `auto`).
+TEST_EMBED_MODEL = ModelSpec(name="all-MiniLM-L6-v2", engine="vllm", engine_kwargs={"gpu_memory_utilization": 0.1})
 TEST_GENERATE_MODEL = ModelSpec(
-    name="SmolLM2-135M-Instruct", engine_kwargs={"gpu_memory_utilization": 0.3, "max_model_len": 1024}
+    name="SmolLM2-135M-Instruct", engine="vllm", engine_kwargs={"gpu_memory_utilization": 0.3, "max_model_len": 1024}
 )
 
 TEXTS = [

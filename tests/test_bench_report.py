@@ -144,3 +144,30 @@ def test_quick_changes_the_defaults_only():
     assert quick.results != bench.RESULTS and quick.experiment == "tokenmill-bench-quick"
     full = bench.parse_args([])
     assert (full.docs, full.repeats, full.results, full.experiment) == (1000, 3, bench.RESULTS, "tokenmill-bench")
+
+
+def test_whole_run_report_states_ratios_against_the_goals():
+    from pathlib import Path
+
+    from bench import whole
+
+    def tokenmill_run(wall, engine_s, predicted, measured):
+        return whole.Run(wall, engine_s, metrics={"fixed_seconds": 9.0, "predicted_wall_seconds": predicted,
+                                                  "measured_wall_seconds": measured},
+                         params={"engine": "transformers"})
+
+    st = whole.Variant("sentence-transformers script", ["python", "bench/baselines/st_embed.py"], Path("x"), "script",
+                       runs=[whole.Run(60.0, 45.0), whole.Run(62.0, 46.0)])
+    ours = whole.Variant("tokenmill run", ["python", "-m", "tokenmill.cli"], Path("y"), "tokenmill",
+                         runs=[tokenmill_run(40.0, 30.0, 44.0, 39.0), tokenmill_run(42.0, 31.0, 44.0, 41.0)],
+                         warmup=whole.Run(90.0))
+    raw = whole.Variant("LLM.chat, one call", ["python", "bench/baselines/vllm_chat.py"], Path("z"), "script",
+                        runs=[whole.Run(80.0, 40.0)])
+    gen = whole.Variant("tokenmill run", ["python", "-m", "tokenmill.cli"], Path("w"), "tokenmill",
+                        runs=[tokenmill_run(100.0, 50.0, 90.0, 100.0)], warmup=whole.Run(150.0))
+    text = whole.render({"embed short": [st, ours], "generate summary": [raw, gen]},
+                        {"embed short": {"rows": 3000}, "generate summary": {"rows": 96}}, rounds=2)
+    # walls 61 s / 41 s, engines 45.5 / 30.5 s; predicted 44 s against 39 and 41 s: +12.8% and +7.3%, median +10.1%
+    assert "| embed short | sentence-transformers script | 1.49× | ≥ 1.2× | yes | 1.49× | +10.1% | 90.0 s |" in text
+    assert "| generate summary | LLM.chat, one call | 0.80× | ≥ 0.9× | no | 0.80× | -10.0% | 150.0 s |" in text
+    assert "| embed short | 3,000 | tokenmill run | 41.0 | 40.0, 42.0 | 30.5 | transformers | 9.0 | 44.0 |" in text

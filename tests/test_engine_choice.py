@@ -1,0 +1,155 @@
+"""`engine: auto`: which engines may run a job, how the trial's figures decide, and a real
+job that chooses, records why, and reuses its cached trial on the next run."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import TEXTS, write_parquet
+from tokenmill import engine_choice
+from tokenmill.engine_choice import choose_engine, runnable_engines, trial_key, trial_rows
+from tokenmill.models import resolve_model
+from tokenmill.spec import JobSpec
+
+
+@pytest.fixture
+def trial_cache(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(folder))
+    monkeypatch.setattr(engine_choice, "_chosen", {})
+    monkeypatch.setattr(engine_choice, "_chosen_rows", {})
+    return folder
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    texts = TEXTS * 6
+    write_parquet(folder / "docs.parquet", [f"d{i:03d}" for i in range(len(texts))], texts)
+    return folder
+
+
+def test_vllm_only_settings_leave_transformers_out():
+    able, why_not = runnable_engines(JobSpec(model={"engine_kwargs": {"gpu_memory_utilization": 0.2}}))
+    assert able == ["vllm"] and "gpu_memory_utilization" in " ".join(why_not)
+    able, why_not = runnable_engines(JobSpec(model={"quantization": "fp8"}))
+    assert able == ["vllm"] and "fp8" in " ".join(why_not)
+
+
+def test_kwargs_vllm_does_not_take_leave_vllm_out():
+    able, why_not = runnable_engines(JobSpec(model={"engine_kwargs": {"attn_implementation": "sdpa"}}))
+    assert able == ["transformers"] and "attn_implementation" in " ".join(why_not)
+
+
+def test_one_runnable_engine_is_chosen_without_a_trial(trial_cache, corpus):
+    spec = JobSpec(input=str(corpus), model={"engine_kwargs": {"gpu_memory_utilization": 0.2}})
+    choice = choose_engine(spec, job_rows=48)
+    assert choice.engine == "vllm" and choice.trials == [] and "only engine" in choice.reason
+    assert not (trial_cache / "engine-trials.json").exists()
+
+
+def seed_trials(spec: JobSpec, trials: list[dict]) -> None:
+    """Figures as an earlier trial on this machine would have cached them."""
+    model_path = resolve_model(spec.model_name)
+    rows = trial_rows(spec, model_path)
+    key = trial_key(spec, model_path, engine_choice.device_label(), sum(map(len, rows)) / len(rows))
+    engine_choice._write_cache(key, [engine_choice.EngineTrial(**t) for t in trials], "test")
+
+
+def test_start_seconds_weigh_by_the_jobs_size(trial_cache, corpus):
+    spec = JobSpec(input=str(corpus))
+    seed_trials(spec, [
+        dict(engine="vllm", start_seconds=100.0, tokens_per_s=10_000.0, rows=48, tokens=800, seconds=0.08),
+        dict(engine="transformers", start_seconds=1.0, tokens_per_s=1_000.0, rows=48, tokens=800, seconds=0.8),
+    ])
+    small = choose_engine(spec, job_rows=48)  # ~800 tokens: vLLM's start is the whole cost
+    assert small.cached and small.engine == "transformers"
+    assert small.predicted_seconds["transformers"] < small.predicted_seconds["vllm"]
+    large = choose_engine(spec, job_rows=10_000_000)  # steady throughput decides
+    assert large.cached and large.engine == "vllm" and "finishes" in large.reason
+    assert large.predicted_seconds["vllm"] == pytest.approx(
+        100.0 + large.job_tokens / 10_000.0)
+
+
+def test_a_trial_that_fails_loses_with_its_reason(trial_cache, corpus):
+    spec = JobSpec(input=str(corpus))
+    seed_trials(spec, [
+        dict(engine="vllm", start_seconds=0, tokens_per_s=0, rows=0, tokens=0, seconds=0, error="OutOfMemory: x"),
+        dict(engine="transformers", start_seconds=1.0, tokens_per_s=1_000.0, rows=48, tokens=800, seconds=0.8),
+    ])
+    choice = choose_engine(spec)
+    assert choice.engine == "transformers"
+
+
+@pytest.mark.engine
+def test_auto_runs_trials_records_why_and_reuses_them(trial_cache, corpus, embed_spec, tmp_path, monkeypatch):
+    from tokenmill.flows.batch import batch_flow
+
+    monkeypatch.setitem(engine_choice.TRIAL_ROWS, "embed", 32)
+    spec = embed_spec(corpus, model={"name": "all-MiniLM-L6-v2", "engine": "auto"})
+    first = batch_flow(spec)
+    client = MlflowClient(first.mlflow_tracking_uri)
+    run = client.get_run(first.mlflow_run_id)
+    assert run.data.params["engine_requested"] == "auto"
+    chosen = run.data.params["engine"]
+    assert chosen in ("vllm", "transformers")
+    assert run.data.params["engine_choice_cached"] == "false"
+    assert run.data.params["engine_choice_reason"].startswith(chosen)
+    for engine in ("vllm", "transformers"):  # both measured, on the job's own sample
+        assert run.data.metrics[f"engine_trial/{engine}/tokens_per_s"] > 0
+        assert run.data.metrics[f"engine_trial/{engine}/start_seconds"] > 0
+    assert f"auto chose {chosen}" in first.summary
+    assert run.data.metrics["fixed_seconds"] > 0 and run.data.metrics["steady_tokens_per_s"] > 0
+    cached = json.loads((trial_cache / "engine-trials.json").read_text())
+    assert len(cached) == 1 and {t["engine"] for t in next(iter(cached.values()))["trials"]} == {"vllm", "transformers"}
+    out = pq.read_table(spec.output)
+    assert out.column("id").to_pylist() == [f"d{i:03d}" for i in range(len(TEXTS) * 6)]  # input order kept
+
+    monkeypatch.setattr(engine_choice, "_chosen", {})  # a new process: only the cache file remains
+    again = batch_flow(spec.model_copy(update={"output": str(tmp_path / "out-again")}))
+    run = client.get_run(again.mlflow_run_id)
+    assert run.data.params["engine_choice_cached"] == "true" and run.data.params["engine"] == chosen
+
+
+def test_a_runs_measurement_becomes_the_next_prediction(trial_cache):
+    from tokenmill import prediction
+
+    first = prediction.predict_wall("shape:vllm", "vllm", tokens=100_000, tokens_per_s=5_000, rate_source="trial",
+                                    engine_start_seconds=40.0)
+    assert first.fixed_seconds == prediction.NOMINAL_STARTUP_SECONDS + 40.0 and first.steady_factor == 1.0
+    measured = {"fixed_seconds": 50.0, "process_seconds": 75.0, "engine_tokens_per_s": 4_000.0}
+    assert prediction.compare(first, measured)["wall_prediction_error"] == pytest.approx(
+        (52.0 + 20.0) / 75.0 - 1)
+    prediction.remember("shape:vllm", first, measured)
+    second = prediction.predict_wall("shape:vllm", "vllm", tokens=200_000, tokens_per_s=5_000, rate_source="trial",
+                                     engine_start_seconds=40.0)
+    # fixed 50 s as measured; the steady part took 25 s where the trial's rate says 20 s: factor 1.25
+    assert second.fixed_seconds == 50.0 and second.steady_factor == pytest.approx(1.25)
+    assert second.seconds == pytest.approx(50.0 + 40.0 * 1.25)
+
+
+def test_plan_without_a_rate_uses_the_engine_trial(trial_cache, corpus, tmp_path):
+    import mlflow
+
+    from tokenmill.cli import main
+
+    spec = JobSpec(input=str(corpus))
+    seed_trials(spec, [
+        dict(engine="vllm", start_seconds=40.0, tokens_per_s=2_000.0, rows=48, tokens=800, seconds=0.4),
+        dict(engine="transformers", start_seconds=1.0, tokens_per_s=1_000.0, rows=48, tokens=800, seconds=0.8),
+    ])
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert main(["plan", "--input", str(corpus), "--window", "2h", "--tracking-uri", uri, "--experiment", "plans"]) == 0
+    mlflow.set_tracking_uri(uri)
+    (plan_run,) = mlflow.search_runs(experiment_names=["plans"], output_format="list")
+    metrics = plan_run.data.metrics
+    assert metrics["plan_tokens_per_s_per_gpu"] == 1_000.0  # 48 rows: transformers finishes first
+    assert metrics["plan_local_wall_seconds"] == pytest.approx(
+        metrics["plan_local_fixed_seconds"] + metrics["plan_tokens"] / 1_000.0)
+    plan_text = open(mlflow.MlflowClient().download_artifacts(plan_run.info.run_id, "plan.md", str(tmp_path))).read()
+    assert "On this machine, one process" in plan_text and "transformers trial on this machine" in plan_text

@@ -1,0 +1,322 @@
+"""`engine: auto`: the engine is chosen by measurement, not by reputation.
+
+Which engine is cheaper depends on the model, the mode, the device and the inputs: on a
+2-core CPU, plain transformers embeds short documents with MiniLM about twice as fast as
+vLLM, while vLLM generates with SmolLM2 about three times as fast as transformers. So
+each engine that can run here gets a short timed trial on the job's own sample: its start
+seconds, and its steady tokens/s on the sample's rows fed as the runner feeds them. The
+job then runs on the engine that finishes it soonest, start included:
+
+    predicted seconds = start seconds (0 if already running) + job tokens / steady tokens/s
+
+and with one price per GPU-hour, the soonest is also the lowest $ per 1M tokens.
+
+Trials are cached on disk per (model, mode, device, dtype, quantization, engine_kwargs,
+length class of the sample), so a machine pays for them once; the length class (powers of
+two of the sample's mean tokens per row) keeps short-document figures from deciding a
+long-document job. Within a process the choice is also kept per job spec, so every shard
+and every worker loop resolves `auto` the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from tokenmill import timeline
+from tokenmill.digest import stable_digest
+from tokenmill.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("vllm", "transformers")
+TRIAL_ROWS = {"embed": 256, "generate": 16}
+TRIAL_MAX_TOKENS = 32  # generate: output tokens per trial row (at most the job's max_tokens)
+TRIAL_VERSION = 1  # bump when the trial's method changes: older cached figures are not comparable
+# engine_kwargs keys that both from_pretrained and vllm.LLM take
+SHARED_KWARGS = frozenset({"trust_remote_code", "revision", "code_revision", "tokenizer_revision"})
+
+
+class EngineTrial(BaseModel):
+    engine: str
+    start_seconds: float  # constructing the engine (model load, and for vLLM its process and warm-up)
+    tokens_per_s: float  # steady: input + output tokens over the timed calls, after a warm-up call
+    rows: int
+    tokens: int
+    seconds: float
+    error: str | None = None
+
+
+class EngineChoice(BaseModel):
+    engine: str
+    reason: str
+    trials: list[EngineTrial]
+    cached: bool  # the trials came from the cache: this run measured nothing
+    cache_key: str
+    device: str
+    job_tokens: float | None = None
+    predicted_seconds: dict[str, float] = {}
+
+    def trial(self, engine: str) -> EngineTrial | None:
+        return next((t for t in self.trials if t.engine == engine and t.error is None), None)
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for t in self.trials:
+            if t.error is None:
+                out[f"engine_trial/{t.engine}/tokens_per_s"] = t.tokens_per_s
+                out[f"engine_trial/{t.engine}/start_seconds"] = t.start_seconds
+        return out
+
+    def params(self) -> dict[str, str]:
+        return {"engine_requested": "auto", "engine_choice_reason": self.reason[:500],
+                "engine_choice_cached": str(self.cached).lower()}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
+
+
+def device_label() -> str:
+    """What the trial's figures hold for: the GPU's name, or the CPU's model and the cores this process may use."""
+    from tokenmill.tracking import device_name
+
+    name = device_name()
+    if name.startswith("cpu"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        name = f"{name} x{cores}"
+    return name
+
+
+def runnable_engines(spec: JobSpec) -> tuple[list[str], list[str]]:
+    """(engines that can run this job here, why each other one cannot)."""
+    able, why_not = [], []
+    keys = set(spec.model.engine_kwargs)
+    vllm_here = importlib.util.find_spec("vllm") is not None
+    vllm_args = _vllm_arg_names() if vllm_here else set()
+    if not vllm_here:
+        why_not.append("vllm: not installed")
+    elif keys - vllm_args:
+        why_not.append(f"vllm: engine_kwargs it does not take ({', '.join(sorted(keys - vllm_args))})")
+    else:
+        able.append("vllm")
+    vllm_only = (keys & vllm_args) - SHARED_KWARGS
+    if spec.model.quantization:
+        why_not.append(f"transformers: quantization {spec.model.quantization!r} is vLLM's")
+    elif vllm_only:
+        why_not.append(f"transformers: engine_kwargs are vLLM's ({', '.join(sorted(vllm_only))})")
+    else:
+        able.append("transformers")
+    return able, why_not
+
+
+def _vllm_arg_names() -> set[str]:
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def length_class(mean_tokens: float) -> int:
+    return max(0, round(math.log2(max(mean_tokens, 1.0))))
+
+
+def trial_key(spec: JobSpec, model_path: str, device: str, mean_tokens: float) -> str:
+    model = spec.model
+    identity = {"version": TRIAL_VERSION, "model": model_path, "mode": spec.mode, "device": device,
+                "dtype": model.dtype, "quantization": model.quantization, "engine_kwargs": model.engine_kwargs,
+                "max_input_tokens": model.max_input_tokens, "max_batch_size": spec.batching.max_batch_size,
+                "length_class": length_class(mean_tokens),
+                "max_tokens": min(spec.generation.max_tokens, TRIAL_MAX_TOKENS) if spec.mode == "generate" else None}
+    return stable_digest(identity, 24)
+
+
+def _read_cache() -> dict[str, Any]:
+    path = cache_dir() / "engine-trials.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, trials: list[EngineTrial], device: str) -> None:
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    cache = _read_cache()
+    cache[key] = {"device": device, "measured_at": time.time(), "trials": [t.model_dump() for t in trials]}
+    temporary = folder / f".engine-trials.{os.getpid()}.tmp"
+    temporary.write_text(json.dumps(cache, indent=1))
+    temporary.replace(folder / "engine-trials.json")  # atomic: a concurrent reader sees old or new
+
+
+def with_engine(spec: JobSpec, engine: str) -> JobSpec:
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"engine": engine})})
+
+
+_chosen: dict[str, EngineChoice] = {}  # per job spec, for this process
+_chosen_rows: dict[str, int | None] = {}  # the job rows each was chosen for
+
+
+def _process_key(spec: JobSpec) -> str:
+    from tokenmill.engines import engine_key
+
+    return stable_digest(list(engine_key(spec)), 24)
+
+
+def chosen_engine(spec: JobSpec) -> EngineChoice | None:
+    """The choice this process made for this spec, if it made one."""
+    return _chosen.get(_process_key(spec))
+
+
+def resolve(spec: JobSpec) -> JobSpec:
+    """The spec with a concrete engine: as written, or the one `auto` chose (choosing now if needed)."""
+    if spec.model.engine != "auto":
+        return spec
+    choice = chosen_engine(spec) or choose_engine(spec)
+    return with_engine(spec, choice.engine)
+
+
+def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = False) -> EngineChoice:
+    """Pick the engine for an `engine: auto` job (see the module's docstring).
+
+    job_rows: the rows the job will run (their tokens are estimated from the sample), so start
+    seconds count as much as they cost this job; without it (a fleet worker), steady throughput
+    alone decides. refresh: measure again even if the cache has figures.
+    """
+    from tokenmill.models import resolve_model
+
+    key_in_process = _process_key(spec)
+    known = _chosen.get(key_in_process)
+    if not refresh and known is not None and (job_rows is None or job_rows == _chosen_rows.get(key_in_process)):
+        return known
+    timeline.mark("engine_choice_start")
+    able, why_not = runnable_engines(spec)
+    if not able:
+        raise ValueError(f"engine auto: no engine can run {spec.model_name} here ({'; '.join(why_not)})")
+    if len(able) == 1:  # nothing to measure against
+        choice = EngineChoice(engine=able[0], reason=f"{able[0]}: the only engine that can run this job here "
+                              f"({'; '.join(why_not)})", trials=[], cached=False, cache_key="", device="")
+        _chosen[key_in_process], _chosen_rows[key_in_process] = choice, job_rows
+        timeline.mark("engine_choice_done")
+        return choice
+    model_path = resolve_model(spec.model_name)
+    device = device_label()
+    rows = trial_rows(spec, model_path)
+    mean_tokens = sum(len(r) for r in rows) / max(len(rows), 1)
+    job_tokens = job_rows * mean_tokens if job_rows else None
+    key = trial_key(spec, model_path, device, mean_tokens)
+
+    cached_entry = None if refresh else _read_cache().get(key)
+    if cached_entry is not None:
+        trials = [EngineTrial.model_validate(t) for t in cached_entry["trials"]]
+        trials = [t for t in trials if t.engine in able]
+    else:
+        trials = []
+    cached = bool(trials) and {t.engine for t in trials} >= set(able)
+    if not cached:
+        trials = [run_trial(spec, engine, model_path, rows) for engine in able]
+        _write_cache(key, trials, device)
+
+    good = [t for t in trials if t.error is None]
+    if not good:
+        raise RuntimeError("engine auto: every engine failed its trial: "
+                           + "; ".join(f"{t.engine}: {t.error}" for t in trials))
+    from tokenmill.engines import is_open
+
+    running = {t.engine for t in good if is_open(model_path, with_engine(spec, t.engine))}
+    predicted = {}
+    for t in good:
+        start = 0.0 if t.engine in running else t.start_seconds
+        steady = (job_tokens / t.tokens_per_s) if job_tokens else 0.0
+        predicted[t.engine] = start + steady if job_tokens else 1.0 / t.tokens_per_s
+    best = min(good, key=lambda t: predicted[t.engine])
+    reason = _reason(best, good, predicted, job_tokens, cached, why_not, device)
+    choice = EngineChoice(engine=best.engine, reason=reason, trials=trials, cached=cached, cache_key=key,
+                          device=device, job_tokens=job_tokens,
+                          predicted_seconds=predicted if job_tokens else {})
+    _chosen[key_in_process] = choice
+    _chosen_rows[key_in_process] = job_rows
+    _close_losers(spec, model_path, best.engine)
+    timeline.mark("engine_choice_done")
+    log.info("engine auto: %s", reason)
+    return choice
+
+
+def trial_rows(spec: JobSpec, model_path: str) -> list[list[int]]:
+    """The job's sample as token ids, as the runner would encode it (overlong rows left out)."""
+    from tokenmill.encoding import encode_rows
+    from tokenmill.sampling import corpus_sample
+
+    texts, _ = corpus_sample(spec, TRIAL_ROWS[spec.mode])
+    encoded = encode_rows(texts, spec, model_path)
+    overlong = {j for j, _ in encoded.overlong}
+    return [r for i, r in enumerate(encoded.token_ids) if i not in overlong]
+
+
+def _reason(best: EngineTrial, good: list[EngineTrial], predicted: dict[str, float], job_tokens: float | None,
+            cached: bool, why_not: list[str], device: str) -> str:
+    figures = ", ".join(f"{t.engine} {t.tokens_per_s:,.0f} tokens/s after a {t.start_seconds:.0f} s start"
+                        for t in good)
+    source = "cached trial" if cached else "trial"
+    if len(good) == 1:
+        text = f"{best.engine}: the only engine that ran here ({figures}; {source} on {device})"
+    elif job_tokens:
+        others = ", ".join(f"{e} {s:,.0f} s" for e, s in predicted.items() if e != best.engine)
+        text = (f"{best.engine}: finishes ~{job_tokens:,.0f} tokens in {predicted[best.engine]:,.0f} s against "
+                f"{others} ({figures}; {source} on {device})")
+    else:
+        text = f"{best.engine}: highest steady throughput ({figures}; {source} on {device})"
+    if why_not:
+        text += "; not tried: " + "; ".join(why_not)
+    return text
+
+
+def _close_losers(spec: JobSpec, model_path: str, winner: str) -> None:
+    from tokenmill.engines import discard_engine
+
+    for engine in ENGINES:
+        if engine != winner:
+            discard_engine(model_path, with_engine(spec, engine))
+
+
+def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]) -> EngineTrial:
+    """Start `engine` (or reuse it, with its recorded start seconds), feed it the sample as the
+    runner would, after one warm-up call; steady tokens/s over the timed calls."""
+    from tokenmill.engine_protocol import run_engine
+    from tokenmill.engines import get_engine
+    from tokenmill.runner import plan_feed
+
+    job = with_engine(spec, engine)
+    if spec.mode == "generate":
+        generation = spec.generation.model_copy(update={"max_tokens": min(spec.generation.max_tokens,
+                                                                           TRIAL_MAX_TOKENS)})
+        job = job.model_copy(update={"generation": generation})
+    try:
+        started = time.perf_counter()
+        instance = get_engine(model_path, job)
+        start_seconds = getattr(instance, "start_seconds", None) or time.perf_counter() - started
+        run_engine(instance, rows[: min(8, len(rows))], job)  # warm-up: first-call allocations, kernels
+        calls = plan_feed([len(r) for r in rows], job, engine)
+        tokens = 0
+        timed = time.perf_counter()
+        for call in calls:
+            outputs = run_engine(instance, [rows[i] for i in call], job)
+            tokens += sum(len(rows[i]) for i in call)
+            if spec.mode == "generate":
+                tokens += sum(g.output_tokens for g in outputs)
+        seconds = time.perf_counter() - timed
+    except Exception as exc:  # noqa: BLE001 - an engine that cannot run here loses, with its reason
+        log.warning("engine auto: %s failed its trial: %s", engine, exc)
+        return EngineTrial(engine=engine, start_seconds=0, tokens_per_s=0, rows=0, tokens=0, seconds=0,
+                           error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+    return EngineTrial(engine=engine, start_seconds=start_seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
+                       rows=len(rows), tokens=tokens, seconds=seconds)

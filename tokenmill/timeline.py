@@ -1,0 +1,78 @@
+"""Where a run's fixed seconds go: process start to the first engine call, in parts.
+
+A batch job's cost is its steady throughput plus what it pays once per process: the
+interpreter and imports, the orchestrator's API, the engine's start, the first shard's read
+and tokenize. On a short job the fixed part decides the result, so it is measured and
+recorded per run (metrics `fixed/*`), and reported apart from the steady tokens/s.
+
+Marks are wall-clock times (time.time()) kept per process; the first mark of a name wins.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_marks: dict[str, float] = {}
+_MODULE_IMPORTED = time.time()
+_first_job = True  # later jobs of a long-lived process (a worker, a notebook) start at their flow
+
+
+def mark(name: str) -> None:
+    _marks.setdefault(name, time.time())
+
+
+def marks() -> dict[str, float]:
+    return dict(_marks)
+
+
+def reset() -> None:
+    """Forget every mark: the next job of this process measures its own, from its flow's start."""
+    global _first_job
+    _marks.clear()
+    _first_job = False
+
+
+def process_started() -> float:
+    """When this process started (Linux /proc), else when this module was imported."""
+    try:
+        with open("/proc/self/stat") as stat_file:
+            fields = stat_file.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 of stat; fields[0] is field 3
+        with open("/proc/stat") as stat_file:
+            boot = next(float(line.split()[1]) for line in stat_file if line.startswith("btime"))
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _MODULE_IMPORTED
+
+
+def measures_process() -> bool:
+    """Whether this job's fixed seconds count from the process's start (its first job)."""
+    return _first_job
+
+
+# (metric, from mark, to mark): the parts of the fixed seconds; they may overlap (the engine
+# starts while the orchestrator's API does)
+PARTS = (
+    ("fixed/interpreter_and_imports_seconds", "process", "cli_ready"),
+    ("fixed/orchestrator_seconds", "api_start", "flow_started"),
+    ("fixed/engine_start_seconds", "engine_start", "engine_ready"),
+    ("fixed/engine_choice_seconds", "engine_choice_start", "engine_choice_done"),
+    ("fixed/first_shard_prepare_seconds", "first_shard_started", "first_engine_call"),
+)
+
+
+def fixed_costs(now: float | None = None) -> dict[str, float]:
+    """Seconds from process start to the first engine call, and its parts (those measured).
+    Empty before the first engine call."""
+    origin = process_started() if _first_job else _marks.get("flow_started")
+    if origin is None or "first_engine_call" not in _marks:
+        return {}
+    stamps = {"process": origin, **_marks}
+    costs = {"fixed_seconds": stamps["first_engine_call"] - stamps["process"]}
+    for metric, start, end in PARTS:
+        if start in stamps and end in stamps and stamps[end] >= stamps[start]:
+            costs[metric] = stamps[end] - stamps[start]
+    if now is not None:
+        costs["process_seconds"] = now - stamps["process"]
+    return costs
