@@ -26,6 +26,7 @@ from tokenmill.outputs import (
     move_stale_outputs,
     remove_leftover_temporaries,
 )
+from tokenmill.prompts import check_job_inputs
 from tokenmill.results import ShardResult, shard_cache_key
 from tokenmill.runner import run_shard
 from tokenmill.shards import ShardSpec, discover_shards_for
@@ -39,6 +40,7 @@ from tokenmill.tasks.storage import StateStorage, with_storage_secrets
 def discover_shards_task(spec: JobSpec) -> list[ShardSpec]:
     spec = with_storage_secrets(spec)
     shards = discover_shards_for(spec)
+    check_job_inputs(spec, shards)  # a misspelled column fails here, before any engine starts
     empty = sorted({s.uri for s in shards if s.is_empty})
     if len(empty) == len({s.uri for s in shards}):
         raise InputError(spec.input, f"every input file is empty ({', '.join(empty[:5])}"

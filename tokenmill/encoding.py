@@ -3,11 +3,12 @@ input limit applied with the overlong policy (cut the row's text, never the temp
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from pydantic import BaseModel
 
 from tokenmill.models import load_tokenizer, model_input_limit
+from tokenmill.prompts import TEXT, fill
 from tokenmill.spec import JobSpec
 
 
@@ -17,13 +18,16 @@ class EncodedRows(BaseModel):
     overlong: list[tuple[int, str]]  # (position, reason): rows refused under overlong=reject
 
 
-def encode_rows(texts: Sequence[str], spec: JobSpec, model_path: str) -> EncodedRows:
-    """Token ids per row, under the model's input limit, with the overlong policy applied."""
+def encode_rows(rows: Sequence, spec: JobSpec, model_path: str) -> EncodedRows:
+    """Token ids per row, under the model's input limit, with the overlong policy applied.
+
+    A row is its text; for generation it may instead be a mapping of the columns its prompt is
+    rendered from (tokenmill.prompts.prompt_inputs: `text` and other template columns, or `messages`)."""
     tokenizer = load_tokenizer(model_path)
     limit = input_token_limit(spec, model_path)
     if spec.mode == "embed":
-        return _encode_for_embedding(list(texts), tokenizer, limit, spec.overlong)
-    return _encode_for_generation(list(texts), tokenizer, limit, spec)
+        return _encode_for_embedding(list(rows), tokenizer, limit, spec.overlong)
+    return _encode_for_generation(list(rows), tokenizer, limit, spec)
 
 
 def input_token_limit(spec: JobSpec, model_path: str) -> int:
@@ -52,33 +56,60 @@ def _encode_for_embedding(texts: list[str], tokenizer, limit: int, policy: str) 
     return EncodedRows(token_ids=token_ids, truncated=truncated, overlong=overlong)
 
 
-def _encode_for_generation(texts: list[str], tokenizer, limit: int, spec: JobSpec) -> EncodedRows:
-    overhead = len(_render_prompts([""], tokenizer, spec)[0])
-    room = limit - overhead
-    if room < 1:
+def _encode_for_generation(rows: list, tokenizer, limit: int, spec: JobSpec) -> EncodedRows:
+    """A row is its text, or a mapping of the columns its prompt is rendered from (see
+    tokenmill.prompts.prompt_inputs). Only the text is ever cut: the rest of the prompt (the
+    template, other columns' values) is what the row's text gets room beside."""
+    if rows and isinstance(rows[0], dict) and "messages" in rows[0]:
+        return _encode_chats([r["messages"] for r in rows], tokenizer, limit, spec)
+    texts = [r[TEXT] if isinstance(r, dict) else r for r in rows]
+    values = [r if isinstance(r, dict) else {} for r in rows]
+    overhead = len(_render_prompts([""], tokenizer, spec, [{}])[0])
+    if limit - overhead < 1:
         raise ValueError(f"the prompt template alone takes {overhead} tokens; the input limit is {limit}")
+    if any(values):  # other columns' values vary the prompt's own length, row by row
+        overheads = [len(ids) for ids in _render_prompts([""] * len(rows), tokenizer, spec, values)]
+    else:
+        overheads = [overhead] * len(rows)
+    rooms = [limit - o for o in overheads]
     text_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    truncated = [len(ids) > room for ids in text_ids]
-    overlong = []
+    truncated = [len(ids) > room for ids, room in zip(text_ids, rooms)]
+    overlong = [(i, f"the prompt without its text takes {overheads[i]} tokens; the input limit is {limit}")
+                for i, room in enumerate(rooms) if room < 1]
     if spec.overlong == "reject":
-        overlong = [(i, f"input has {len(ids)} tokens; at most {room} fit beside the prompt and "
-                        f"max_tokens={spec.generation.max_tokens}") for i, ids in enumerate(text_ids) if len(ids) > room]
+        overlong += [(i, (f"input has {len(ids)} tokens; at most {room} fit beside the prompt and "
+                          f"max_tokens={spec.generation.max_tokens}"))
+                     for i, (ids, room) in enumerate(zip(text_ids, rooms)) if len(ids) > room >= 1]
         truncated = [False] * len(texts)
     else:
         # re-joining cut tokens can merge into slightly different tokens; keep a margin
         texts = [tokenizer.decode(ids[: max(room - 8, 1)]) if cut else text
-                 for text, ids, cut in zip(texts, text_ids, truncated)]
-    token_ids = _render_prompts(texts, tokenizer, spec) if texts else []
-    return EncodedRows(token_ids=token_ids, truncated=truncated, overlong=overlong)
+                 for text, ids, cut, room in zip(texts, text_ids, truncated, rooms)]
+        dropped = {i for i, _ in overlong}
+        truncated = [cut and i not in dropped for i, cut in enumerate(truncated)]
+    token_ids = _render_prompts(texts, tokenizer, spec, values) if texts else []
+    return EncodedRows(token_ids=token_ids, truncated=truncated, overlong=sorted(overlong))
 
 
-def _render_prompts(texts: list[str], tokenizer, spec: JobSpec) -> list[list[int]]:
+def _encode_chats(chats: list[list[dict]], tokenizer, limit: int, spec: JobSpec) -> EncodedRows:
+    """Rows that carry their own chat have no text column to cut: a too-long chat is refused."""
+    rendered = tokenizer.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
+    token_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    overlong = [(i, (f"the chat has {len(ids)} tokens; at most {limit} fit beside max_tokens="
+                     f"{spec.generation.max_tokens} (a messages column is never cut)"))
+                for i, ids in enumerate(token_ids) if len(ids) > limit]
+    return EncodedRows(token_ids=token_ids, truncated=[False] * len(chats), overlong=overlong)
+
+
+def _render_prompts(texts: list[str], tokenizer, spec: JobSpec, values: list[dict]) -> list[list[int]]:
     params = spec.generation
+    column = spec.text_column
     if params.messages is None:
-        prompts = [params.prompt_template.replace("{text}", text) for text in texts]
+        prompts = [fill(params.prompt_template, text, row, column) for text, row in zip(texts, values)]
         return tokenizer(prompts, add_special_tokens=True)["input_ids"]
     conversations = [
-        [{"role": m.role, "content": m.content.replace("{text}", text)} for m in params.messages] for text in texts
+        [{"role": m.role, "content": fill(m.content, text, row, column)} for m in params.messages]
+        for text, row in zip(texts, values)
     ]
     rendered = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]

@@ -4,8 +4,9 @@ each other."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -14,9 +15,18 @@ from tokenmill.spec import GenerationParams, JobSpec
 
 @dataclass(frozen=True)
 class Generation:
+    """One row's generation: its (first) completion, and with n > 1 every completion in `samples`.
+
+    logprobs (when asked): one entry per generated token, OpenAI's shape:
+    {token_id, token, logprob, top_logprobs: [{token_id, token, logprob}, ...]}.
+    output_tokens counts every completion's tokens (what was paid for)."""
+
     text: str
     output_tokens: int
     finish_reason: str | None
+    logprobs: list[dict] | None = None
+    samples: tuple[Generation, ...] = ()  # all n completions when n > 1; empty when n == 1
+    cached_prompt_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
 class Engine(Protocol):
@@ -24,7 +34,10 @@ class Engine(Protocol):
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]: ...
 
-    def generate(self, batch: Sequence[Sequence[int]], params: GenerationParams) -> list[Generation]: ...
+    def generate(self, batch: Sequence[Sequence[int]], params: GenerationParams,
+                 overrides: Sequence[Mapping[str, Any] | None] | None = None) -> list[Generation]:
+        """overrides: per row, sampling fields over the job's (tokenmill.generation.sampling_kwargs)."""
+        ...
 
     def close(self) -> None: ...
 

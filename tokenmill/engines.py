@@ -13,7 +13,7 @@ import gc
 import logging
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -50,20 +50,17 @@ class VLLMEngine:
         outputs = self.llm.embed([{"prompt_token_ids": list(ids)} for ids in batch], use_tqdm=False)
         return [np.asarray(output.outputs.embedding, dtype=np.float32) for output in outputs]
 
-    def generate(self, batch: Sequence[Sequence[int]], params: GenerationParams) -> list[Generation]:
-        from vllm import SamplingParams
+    def generate(self, batch: Sequence[Sequence[int]], params: GenerationParams,
+                 overrides: Sequence[Mapping[str, Any] | None] | None = None) -> list[Generation]:
+        """One request per row; with overrides, each row gets its own SamplingParams."""
+        from tokenmill.generation import vllm_sampling_params
 
-        sampling = SamplingParams(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            seed=params.seed,
-        )
+        if overrides is None:
+            sampling = vllm_sampling_params(params)
+        else:
+            sampling = [vllm_sampling_params(params, row) for row in overrides]
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in batch], sampling, use_tqdm=False)
-        return [
-            Generation(out.outputs[0].text, len(out.outputs[0].token_ids), out.outputs[0].finish_reason)
-            for out in outputs
-        ]
+        return [vllm_generation(out) for out in outputs]
 
     def close(self) -> None:
         """Stop the engine process and wait for the client's threads to end.
@@ -91,6 +88,33 @@ class VLLMEngine:
         gc.collect()
 
 
+def vllm_generation(output) -> Generation:
+    """A vllm.RequestOutput as our Generation (every completion when n > 1)."""
+    completions = [
+        Generation(c.text, len(c.token_ids), c.finish_reason, _logprobs(c) if c.logprobs is not None else None)
+        for c in output.outputs
+    ]
+    first = completions[0]
+    return Generation(first.text, sum(c.output_tokens for c in completions), first.finish_reason, first.logprobs,
+                      tuple(completions) if len(completions) > 1 else (), int(output.num_cached_tokens or 0))
+
+
+def _logprobs(completion) -> list[dict]:
+    """Per generated token: the sampled token's logprob and the top alternatives, OpenAI's shape."""
+    entries = []
+    for token_id, top in zip(completion.token_ids, completion.logprobs):
+        chosen = top.get(token_id)
+        ranked = sorted(top.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
+        entries.append({
+            "token_id": int(token_id),
+            "token": chosen.decoded_token if chosen is not None else None,
+            "logprob": float(chosen.logprob) if chosen is not None else None,
+            "top_logprobs": [{"token_id": int(t), "token": lp.decoded_token, "logprob": float(lp.logprob)}
+                             for t, lp in ranked],
+        })
+    return entries
+
+
 def vllm_engine_args(model_path: str, spec: JobSpec) -> dict[str, Any]:
     """vllm.LLM(...) arguments: our defaults first, the user's engine_kwargs verbatim on top."""
     from vllm.platforms import current_platform
@@ -103,6 +127,10 @@ def vllm_engine_args(model_path: str, spec: JobSpec) -> dict[str, Any]:
     }
     if spec.mode == "embed":
         args["runner"] = "pooling"
+    else:
+        # rows that share a prompt prefix (system prompt, few-shot turns) reuse its KV cache; the runner
+        # submits them adjacently (tokenmill.runner.prefix_order)
+        args["enable_prefix_caching"] = True
     if spec.model.quantization:
         args["quantization"] = spec.model.quantization
     if on_cpu:

@@ -22,6 +22,7 @@ from tokenmill.encoding import encode_rows
 from tokenmill.engine_protocol import Engine
 from tokenmill.engines import discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
+from tokenmill.generation import OutputChecker, check_response_format, parsed_agreement
 from tokenmill.models import resolve_model
 from tokenmill.runner import run_batches
 from tokenmill.sampling import corpus_sample
@@ -36,6 +37,9 @@ DEFAULT_THRESHOLDS = {
     "embed": {"cosine_mean": 0.99, "cosine_p5": 0.97, "top10_overlap": 0.80},
     "generate": {"exact_match": 0.60, "prefix_agreement": 0.70, "similarity_mean": 0.90},
 }
+# With a response format, generations are also compared by their parsed values, field by field
+# (tokenmill.generation.parsed_agreement).
+PARSED_AGREEMENT_THRESHOLD = 0.80
 SIMILARITY_MODEL = "all-MiniLM-L6-v2"
 
 
@@ -97,7 +101,9 @@ class GateReport(BaseModel):
 
 def thresholds_for(spec: JobSpec) -> dict[str, float]:
     gate = _gate(spec)
-    defaults = DEFAULT_THRESHOLDS[spec.mode]
+    defaults = dict(DEFAULT_THRESHOLDS[spec.mode])
+    if spec.mode == "generate" and spec.generation.response_format is not None:
+        defaults["parsed_agreement"] = PARSED_AGREEMENT_THRESHOLD
     unknown = set(gate.thresholds) - set(defaults)
     if unknown:
         raise ConfigError(f"gate.thresholds: unknown metric(s) {sorted(unknown)} for mode {spec.mode}; "
@@ -118,6 +124,8 @@ def candidate_model(spec: JobSpec) -> ModelSpec:
 def sample_texts(spec: JobSpec) -> tuple[list[str], str]:
     """The gate's rows: its eval file's, or a deterministic corpus sample (see tokenmill.sampling)."""
     gate = _gate(spec)
+    if spec.mode == "generate":
+        check_response_format(spec.generation)  # before any engine starts
     return corpus_sample(spec, gate.sample_rows, gate.sample_seed, gate.eval_file)
 
 
@@ -150,7 +158,8 @@ def evaluate(spec: JobSpec, texts: list[str], source: str) -> GateReport:
     reference_job = job_for(spec, gate.reference)
     candidate_job = job_for(spec, candidate_model(spec))
     if spec.mode == "generate":  # greedy, so exact match means something
-        greedy = spec.generation.model_copy(update={"temperature": 0.0, "max_tokens": gate.max_tokens})
+        greedy = spec.generation.model_copy(update={"temperature": 0.0, "max_tokens": gate.max_tokens, "n": 1,
+                                                    "logprobs": None, "min_tokens": 0})
         reference_job = reference_job.model_copy(update={"generation": greedy})
         candidate_job = candidate_job.model_copy(update={"generation": greedy})
     reference = run_sample(reference_job, texts)
@@ -164,6 +173,11 @@ def evaluate(spec: JobSpec, texts: list[str], source: str) -> GateReport:
         values = embedding_agreement(np.stack(reference.outputs), np.stack(candidate.outputs))
     else:
         values = generation_agreement(reference.outputs, candidate.outputs, resolve_model(reference_job.model_name))
+        if spec.generation.response_format is not None:
+            checker = OutputChecker(spec.generation.response_format)
+            values["parsed_agreement"] = parsed_agreement(
+                [checker.check(g.text).parsed for g in reference.outputs],
+                [checker.check(g.text).parsed for g in candidate.outputs])
     metrics = [GateMetric(name=name, value=values[name], threshold=limit, passed=values[name] >= limit)
                for name, limit in thresholds.items()]
     passed = all(m.passed for m in metrics)

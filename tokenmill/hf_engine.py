@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tokenmill.spec import GenerationParams, JobSpec
+from tokenmill.spec import GenerationParams, JobSpec, transformers_unsupported
 
 log = logging.getLogger(__name__)
 
@@ -112,37 +112,60 @@ class TransformersEngine:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return list(pooled.cpu().numpy())
 
-    def generate(self, batch: Sequence[Sequence[int]], params: GenerationParams):
+    def generate(self, batch: Sequence[Sequence[int]], params: GenerationParams, overrides=None):
+        """What Hugging Face `generate` has of vLLM's sampling: n (sampling only), stop strings and token
+        ids, top_k, min_p, repetition_penalty, min_tokens, seed. The rest is refused when the job is
+        validated (tokenmill.spec.transformers_unsupported); per-row overrides are vLLM's alone."""
         from tokenmill.engine_protocol import Generation
 
+        if overrides is not None and any(overrides):
+            raise ValueError("the transformers engine takes the job's sampling parameters only, not per-row overrides")
+        unsupported = transformers_unsupported(params)
+        if unsupported:  # a spec built without validation (model_copy) must not get silently unconstrained output
+            raise ValueError(f"the transformers engine does not support generation.{', generation.'.join(unsupported)}")
         torch = self.torch
         input_ids, mask = self._padded(batch, "left")
         sampling = params.temperature > 0
         if params.seed is not None:
             torch.manual_seed(params.seed)
+        stop_ids = set(self.eos_ids) | set(params.stop_token_ids or [])
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=mask,
                 max_new_tokens=params.max_tokens,
+                min_new_tokens=params.min_tokens or None,
                 do_sample=sampling,
                 temperature=params.temperature if sampling else None,
                 top_p=params.top_p if sampling else None,
-                top_k=None,
+                top_k=params.top_k if sampling and params.top_k else None,
+                min_p=params.min_p if sampling and params.min_p else None,
+                repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+                num_return_sequences=params.n,
+                stop_strings=params.stop or None,
+                tokenizer=self.tokenizer if params.stop else None,
                 pad_token_id=self.pad_id,
-                eos_token_id=sorted(self.eos_ids) or None,
+                eos_token_id=sorted(stop_ids) or None,
             )
-        results = []
+        completions = []
         for row in out[:, input_ids.shape[1]:].tolist():
             tokens = []
             finish = "length"
             for token in row:
-                if token in self.eos_ids:
+                if token in stop_ids:
                     finish = "stop"
                     break
                 tokens.append(token)
-            results.append(Generation(self.tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), finish))
-        return results
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            for stop in params.stop or []:  # generate keeps the stop string; vLLM leaves it out
+                if stop in text:
+                    text, finish = text[: text.index(stop)], "stop"
+            completions.append(Generation(text, len(tokens), finish))
+        if params.n == 1:
+            return completions
+        rows = [completions[i: i + params.n] for i in range(0, len(completions), params.n)]
+        return [Generation(c[0].text, sum(x.output_tokens for x in c), c[0].finish_reason, samples=tuple(c))
+                for c in rows]
 
     def close(self) -> None:
         self.model = None

@@ -15,6 +15,8 @@ def build_manifest(spec: JobSpec, results: Iterable[ShardResult], shards_total: 
     results = sorted(results, key=lambda r: r.shard_id)
     totals = {key: sum(getattr(r, key) for r in results)
               for key in ("rows_in", "rows_out", "rows_rejected", "rows_truncated", "input_tokens", "output_tokens")}
+    if spec.mode == "generate" and spec.generation.response_format is not None:
+        totals["structured_invalid_rows"] = sum(r.structured_invalid_rows for r in results)
     return {
         "format_version": OUTPUT_FORMAT_VERSION,
         "updated_at": dt.datetime.now(dt.timezone.utc).isoformat(),
@@ -37,6 +39,8 @@ def build_manifest(spec: JobSpec, results: Iterable[ShardResult], shards_total: 
                 "rows_truncated": r.rows_truncated,
                 "input_tokens": r.input_tokens,
                 "output_tokens": r.output_tokens,
+                **({"structured_invalid_rows": r.structured_invalid_rows}
+                   if spec.mode == "generate" and spec.generation.response_format is not None else {}),
             }
             for r in results
         ],

@@ -345,19 +345,61 @@ def _protocols(fs) -> tuple[str, ...]:
 
 
 def build_output(valid: pa.Table, spec: JobSpec, results: list, lengths: list[int], truncated: list[bool]) -> pa.Table:
+    """The shard's output rows: id; embedding, or output_text (plus parsed and structured_error with a
+    response format); input_tokens, output_tokens, truncated (and finish_reason, logprobs when asked);
+    then the passthrough columns. With generation.n > 1, output_text, finish_reason, parsed,
+    structured_error and logprobs hold one list entry per completion; output_tokens counts them all."""
+    from tokenmill.prompts import passthrough_columns
+
     columns: dict[str, pa.Array] = {"id": valid.column(spec.id_column).combine_chunks()}
+    params = spec.generation
+    many = spec.mode == "generate" and params.n > 1
+    completions = [list(g.samples) or [g] for g in results] if spec.mode == "generate" else []
+
+    def per_row(values: list[list], kind: pa.DataType) -> pa.Array:
+        if many:
+            return pa.array(values, pa.list_(kind))
+        return pa.array([v[0] for v in values], kind)
+
     if spec.mode == "embed":
         columns["embedding"] = _embedding_array(results)
         output_tokens = [0] * len(results)
     else:
-        columns["output_text"] = pa.array([g.text for g in results], pa.string())
+        columns["output_text"] = per_row([[c.text for c in row] for row in completions], pa.string())
+        if params.response_format is not None:
+            from tokenmill.generation import OutputChecker
+
+            checker = OutputChecker(params.response_format)
+            checked = [[checker.check(c.text, c.finish_reason) for c in row] for row in completions]
+            columns["parsed"] = per_row([[c.parsed for c in row] for row in checked], pa.string())
+            columns["structured_error"] = per_row([[c.error for c in row] for row in checked], pa.string())
         output_tokens = [g.output_tokens for g in results]
     columns["input_tokens"] = pa.array(lengths, pa.int32())
     columns["output_tokens"] = pa.array(output_tokens, pa.int32())
     columns["truncated"] = pa.array(truncated, pa.bool_())
     if spec.mode == "generate":
-        columns["finish_reason"] = pa.array([g.finish_reason for g in results], pa.string())
+        columns["finish_reason"] = per_row([[c.finish_reason for c in row] for row in completions], pa.string())
+        if params.logprobs is not None:
+            columns["logprobs"] = per_row([[c.logprobs for c in row] for row in completions], LOGPROBS_TYPE)
+    for name in passthrough_columns(spec, valid.column_names):
+        columns[name] = valid.column(name).combine_chunks()
     return pa.table(columns)
+
+
+_LOGPROB = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
+# One completion's logprobs: per generated token, its own and the top alternatives'.
+LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32()),
+                                    ("top_logprobs", pa.list_(_LOGPROB))]))
+
+
+def structured_invalid_rows(output: pa.Table) -> int:
+    """Rows with a structured_error (any of their completions): outputs that do not conform."""
+    if "structured_error" not in output.column_names:
+        return 0
+    column = output.column("structured_error")
+    if pa.types.is_list(column.type):
+        return sum(any(e is not None for e in row or []) for row in column.to_pylist())
+    return output.num_rows - column.null_count
 
 
 def _embedding_array(vectors: list[np.ndarray]) -> pa.Array:

@@ -31,6 +31,8 @@ class ShardResult(BaseModel):
     seconds: float
     format_version: int = OUTPUT_FORMAT_VERSION
     worker: str = ""  # the worker run that wrote this result: a fleet's throughput per worker
+    structured_invalid_rows: int = 0  # rows whose output does not conform to generation.response_format
+    prompt_cached_tokens: int | None = None  # prompt tokens found in vLLM's prefix cache; None: not reported
 
     @property
     def padding_fraction(self) -> float:
@@ -53,13 +55,27 @@ def shard_cache_key(shard: ShardSpec, spec: JobSpec) -> str:
         "mode": spec.mode,
         "model": spec.model_name,
         "model_spec": spec.model.model_dump(mode="json", exclude={"name"}),
-        "generation": spec.generation.model_dump(mode="json") if spec.mode == "generate" else None,
+        "generation": generation_identity(spec) if spec.mode == "generate" else None,
         "columns": [spec.id_column, spec.text_column],
         "overlong": spec.overlong,
         "output": spec.output.rstrip("/"),
         "format_version": OUTPUT_FORMAT_VERSION,
     }
+    if spec.passthrough_columns:
+        identity["passthrough_columns"] = spec.passthrough_columns
     if shard.format == "openai-batch":  # which request models run here; which files are written
         identity["openai_batch"] = [spec.openai_batch.model_dump(mode="json"), spec.output_format]
     digest = stable_digest(identity, 32)
     return f"{shard.shard_id}-{digest}"
+
+
+# GenerationParams fields from before prompts from any column, full sampling and response formats: always
+# in the key. The later ones are in it only when set, so the keys of jobs that leave them alone (their
+# finished shards) are what they were.
+_FIRST_GENERATION_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "messages", "prompt_template")
+
+
+def generation_identity(spec: JobSpec) -> dict:
+    dumped = spec.generation.model_dump(mode="json")
+    defaults = type(spec.generation)().model_dump(mode="json")
+    return {k: v for k, v in dumped.items() if k in _FIRST_GENERATION_FIELDS or v != defaults.get(k)}

@@ -22,9 +22,9 @@ from tokenmill.encoding import EncodedRows, encode_rows
 from tokenmill.engine_protocol import Engine, run_engine
 from tokenmill.engines import discard_engine, engine_died, get_engine
 from tokenmill.models import resolve_model
-from tokenmill.outputs import OutputStore, build_output, rejects_table
+from tokenmill.outputs import OutputStore, build_output, rejects_table, structured_invalid_rows
+from tokenmill.prompts import prefix_order, prompt_inputs, read_columns, validate_job_rows
 from tokenmill.results import ShardResult
-from tokenmill.schema import validate_rows
 from tokenmill.shards import ROW_NUMBER, ShardSpec, read_shard
 from tokenmill.spec import JobSpec
 from tokenmill.storage import describe_error
@@ -82,13 +82,13 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     model_path = resolve_model(spec.model_name)
     store = OutputStore(spec.output, spec.storage_options)
 
-    table, unreadable = read_shard(shard, [spec.id_column, spec.text_column], spec.storage_options)
+    table, unreadable = read_shard(shard, read_columns(spec), spec.storage_options)
     rows_in = table.num_rows + len(unreadable)
-    validated = validate_rows(table, shard.uri, spec.id_column, spec.text_column)
+    validated = validate_job_rows(table, shard.uri, spec)
     rejects = [(row, None, reason) for row, reason in unreadable] + validated.rejects
     valid = validated.valid
 
-    encoded = encode_rows(valid.column(spec.text_column).to_pylist(), spec, model_path)
+    encoded = encode_rows(prompt_inputs(valid, spec), spec, model_path)
     if encoded.overlong:
         row_numbers = valid.column(ROW_NUMBER).to_pylist()
         ids = valid.column(spec.id_column).to_pylist()
@@ -104,6 +104,9 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     lengths = [len(ids) for ids in encoded.token_ids]
     engine_name = engine.name if engine is not None else spec.model.engine
     batches = plan_feed(lengths, spec, engine_name)
+    if spec.mode == "generate" and not engine_pads(engine_name):
+        order = prefix_order(encoded.token_ids)  # shared prompt prefixes adjacent, for the prefix cache
+        batches = [[order[i] for i in batch] for batch in batches]
     progress.emit("shard_started", shard_id=shard.shard_id, rows=valid.num_rows)
     engine_seconds = 0.0
     results_by_batch: list = []
@@ -125,6 +128,7 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     results = restore_order(batches, results_by_batch)
 
     output = build_output(valid, spec, results, lengths, encoded.truncated)
+    structured_invalid = structured_invalid_rows(output)
     store.delete(store.shard_duplicates(shard.shard_id))  # the new output has every row; the audit re-decides
     store.write_table(store.shard_output(shard.shard_id), output)
     store.write_table(
@@ -150,6 +154,9 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
         baseline_padded_slots=baseline.padded_slots,
         engine_seconds=engine_seconds,
         seconds=time.perf_counter() - started,
+        structured_invalid_rows=structured_invalid,
+        prompt_cached_tokens=sum(g.cached_prompt_tokens for g in results)
+        if spec.mode == "generate" and engine_name in UNPADDED_ENGINES else None,
     )
     if result.rows_in != result.rows_out + result.rows_rejected:  # the one invariant we never break
         raise AssertionError(f"shard {shard.shard_id}: {rows_in} rows in, {output.num_rows} out, {len(rejects)} rejected")

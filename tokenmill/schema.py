@@ -29,12 +29,12 @@ REASONS = {
 
 @dataclass
 class ValidatedRows:
-    valid: pa.Table  # id, text, ROW_NUMBER
+    valid: pa.Table  # the columns read, ROW_NUMBER included
     rejects: list[tuple[int, object, str]]  # (row number, id, reason)
 
 
-def check_structure(table: pa.Table, uri: str, id_column: str, text_column: str) -> None:
-    for column in (id_column, text_column):
+def check_structure(table: pa.Table, uri: str, id_column: str, text_column: str | None) -> None:
+    for column in (id_column, text_column) if text_column else (id_column,):
         if column not in table.column_names:
             found = ", ".join(c for c in table.column_names if c != ROW_NUMBER) or "none"
             raise InputError(uri, f"required column is missing (columns found: {found})", column=column)
@@ -43,43 +43,46 @@ def check_structure(table: pa.Table, uri: str, id_column: str, text_column: str)
     if not (pa.types.is_integer(id_type) or pa.types.is_string(id_type) or pa.types.is_large_string(id_type)
             or pa.types.is_null(id_type)):
         raise InputError(uri, f"id column has type {id_type}; expected a string or integer", column=id_column)
+    if text_column is None:  # rows whose prompt is their own chat (generation.messages_column)
+        return
     text_type = table.schema.field(text_column).type
     if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type) or pa.types.is_null(text_type)):
         raise InputError(uri, f"text column has type {text_type}; expected a string", column=text_column)
 
 
-def _row_schema(id_column: str, text_column: str) -> pa_schema.DataFrameSchema:
-    return pa_schema.DataFrameSchema(
-        {
-            id_column: pa_schema.Column(
-                nullable=False,
-                unique=True,
-                report_duplicates="exclude_first",
-                checks=pa_schema.Check(
-                    lambda s: s.map(lambda v: isinstance(v, (str, int))), element_wise=False, name="id_is_scalar"
+def _row_schema(id_column: str, text_column: str | None) -> pa_schema.DataFrameSchema:
+    columns = {
+        id_column: pa_schema.Column(
+            nullable=False,
+            unique=True,
+            report_duplicates="exclude_first",
+            checks=pa_schema.Check(
+                lambda s: s.map(lambda v: isinstance(v, (str, int))), element_wise=False, name="id_is_scalar"
+            ),
+        ),
+        text_column: pa_schema.Column(
+            nullable=False,
+            checks=[
+                pa_schema.Check(lambda s: s.map(lambda v: isinstance(v, str)), name="text_is_string"),
+                pa_schema.Check(
+                    lambda s: s.map(lambda v: not isinstance(v, str) or bool(v.strip())),
+                    name="text_not_blank",
                 ),
-            ),
-            text_column: pa_schema.Column(
-                nullable=False,
-                checks=[
-                    pa_schema.Check(lambda s: s.map(lambda v: isinstance(v, str)), name="text_is_string"),
-                    pa_schema.Check(
-                        lambda s: s.map(lambda v: not isinstance(v, str) or bool(v.strip())),
-                        name="text_not_blank",
-                    ),
-                ],
-            ),
-        },
-        coerce=False,
-    )
+            ],
+        ),
+    }
+    if text_column is None:
+        del columns[None]
+    return pa_schema.DataFrameSchema(columns, coerce=False)
 
 
-def validate_rows(table: pa.Table, uri: str, id_column: str, text_column: str) -> ValidatedRows:
+def validate_rows(table: pa.Table, uri: str, id_column: str, text_column: str | None) -> ValidatedRows:
+    """text_column None: rows need no text (their prompt is a messages column), only a good id."""
     check_structure(table, uri, id_column, text_column)
     frame = pd.DataFrame(
         {
-            id_column: pd.Series(table.column(id_column).to_pylist(), dtype=object),
-            text_column: pd.Series(table.column(text_column).to_pylist(), dtype=object),
+            column: pd.Series(table.column(column).to_pylist(), dtype=object)
+            for column in ((id_column, text_column) if text_column else (id_column,))
         }
     )
     reasons: dict[int, str] = {}
@@ -96,7 +99,7 @@ def validate_rows(table: pa.Table, uri: str, id_column: str, text_column: str) -
     ids = frame[id_column].tolist()
     rejects = [(row_numbers[i], ids[i], reasons[i]) for i in sorted(reasons)]
     keep = pa.array([i not in reasons for i in range(table.num_rows)], pa.bool_())
-    valid = table.select([id_column, text_column, ROW_NUMBER]).filter(keep)
+    valid = table.filter(keep)
     return ValidatedRows(valid, rejects)
 
 

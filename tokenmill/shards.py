@@ -138,10 +138,10 @@ def detect_format(path: str, fmt: str = "auto") -> Literal["parquet", "jsonl", "
     raise InputError(path, "cannot tell the format from the extension; set format: parquet or jsonl")
 
 
-def read_shard(shard: ShardSpec, columns: list[str], storage_options: dict[str, Any] | None = None):
+def read_shard(shard: ShardSpec, columns: list[str] | None, storage_options: dict[str, Any] | None = None):
     """Read a shard's rows. Returns (table, bad_rows).
 
-    The table holds `columns` (those the file has) plus ROW_NUMBER. bad_rows lists
+    The table holds `columns` (those the file has; None: every column) plus ROW_NUMBER. bad_rows lists
     (row_number, reason) for JSONL lines that are not a JSON object; Parquet has none.
     """
     fs, path = url_to_fs(shard.uri, storage_options)
@@ -255,7 +255,8 @@ def _read_parquet_shard(fs, path: str, shard: ShardSpec, columns: list[str]) -> 
     try:
         with fs.open(path, "rb") as handle:
             parquet = pq.ParquetFile(handle)
-            present = [c for c in columns if c in parquet.schema_arrow.names]
+            names = parquet.schema_arrow.names
+            present = list(names) if columns is None else [c for c in columns if c in names]
             if not shard.row_groups:  # a file with no rows: its columns still say whether it fits the job
                 empty = parquet.schema_arrow.empty_table().select(present)
                 return empty.append_column(ROW_NUMBER, pa.array([], pa.int64()))
@@ -306,8 +307,9 @@ def _read_bytes(fs, path: str, start: int, end: int) -> bytes:
         return handle.read(end - start)
 
 
-def _parse_jsonl_shard(data: bytes, shard: ShardSpec, columns: list[str]):
-    values: dict[str, list] = {c: [] for c in columns}
+def _parse_jsonl_shard(data: bytes, shard: ShardSpec, columns: list[str] | None):
+    every_column = columns is None  # every key any row has, absent ones null
+    values: dict[str, list] = {c: [] for c in columns or []}
     row_numbers: list[int] = []
     bad_rows: list[tuple[int, str]] = []
     offset = shard.byte_start
@@ -326,9 +328,13 @@ def _parse_jsonl_shard(data: bytes, shard: ShardSpec, columns: list[str]):
         if not isinstance(record, dict):
             bad_rows.append((line_offset, f"line is a JSON {type(record).__name__}, not an object"))
             continue
+        if every_column:
+            for key in record:
+                if key not in values:
+                    values[key] = [None] * len(row_numbers)
         row_numbers.append(line_offset)
-        for column in columns:
-            values[column].append(record.get(column))
+        for column, column_values in values.items():
+            column_values.append(record.get(column))
     arrays = {}
     for column, column_values in values.items():
         if all(v is None for v in column_values) and column_values:

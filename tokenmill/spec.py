@@ -138,11 +138,38 @@ class ChatMessage(_Spec):
     role: Literal["system", "user", "assistant"] = Field(
         "user", description="Who says it: system (instructions), user (the request) or assistant (an example reply).")
     content: str = Field(
-        "{text}", description="The message's text; {text} is replaced by the row's text (text_column).")
+        "{text}", description="The message's text; {text} is replaced by the row's text (text_column), "
+        "{column} by that column's value.")
+
+
+class ResponseFormat(_Spec):
+    """A constraint on every output (vLLM structured outputs): exactly one of the fields."""
+
+    model_config = ConfigDict(title="Response format")
+
+    json_schema: dict[str, Any] | str | None = Field(
+        None, description="A JSON schema, inline (a mapping) or as the path of a .json file.")
+    pydantic_model: str | None = Field(
+        None, description="An importable pydantic model whose JSON schema is used: 'package.module:Class' "
+        "(or 'package.module.Class').")
+    choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
+    regex: str | None = Field(None, description="The output matches this regular expression, whole.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ResponseFormat:
+        given = [name for name in ("json_schema", "pydantic_model", "choice", "regex")
+                 if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("response_format takes exactly one of json_schema, pydantic_model, choice, regex; "
+                             f"got {given or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("response_format.choice must list at least one string")
+        return self
 
 
 class GenerationParams(_Spec):
-    """Sampling and prompting for mode=generate. `{text}` marks where the row's text goes."""
+    """Sampling and prompting for mode=generate. `{text}` marks where the row's text goes, `{column}`
+    where another column's value goes."""
 
     model_config = ConfigDict(title="Generation")
 
@@ -162,6 +189,37 @@ class GenerationParams(_Spec):
         "Set to null to use prompt_template as a plain completion prompt.",
     )
     prompt_template: str = Field("{text}", description="Plain prompt, used when messages is null.")
+    messages_column: str | None = Field(
+        None, description="A column holding each row's own chat (a list of {role, content}); when set, it is "
+        "the prompt, and messages and prompt_template are not used.")
+    # Sampling as vLLM has it (vllm.SamplingParams); the defaults change nothing.
+    n: int = Field(1, ge=1, description="Completions per row; above 1, output_text is a list of n strings.")
+    stop: list[str] | None = Field(None, description="Strings that end a completion (not included in it).")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end a completion.")
+    top_k: int = Field(0, ge=0, description="Sample from the k most likely tokens; 0 keeps every token.")
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="Drop tokens less likely than this share of the most likely one.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalty on tokens already generated.")
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Penalty on tokens by how often they were generated.")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, description="Multiplicative penalty on tokens in the prompt or output; 1 is none.")
+    min_tokens: int = Field(0, ge=0, description="Tokens generated before a stop or EOS may end a completion.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Store the log probability of each generated token and of the top-k "
+        "alternatives (column logprobs). Empty: not stored.")
+    response_format: ResponseFormat | None = Field(
+        None, json_schema_extra={"title": "Response format"},
+        description="Constrain outputs to a JSON schema, a choice or a regex (vLLM structured outputs); "
+        "adds the columns parsed and structured_error. Empty: free text.")
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> GenerationParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is above max_tokens={self.max_tokens}")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError(f"n={self.n} needs temperature > 0: greedy decoding gives one completion")
+        return self
 
 
 class BatchingSpec(_Spec):
@@ -342,6 +400,10 @@ class JobSpec(_Spec):
         "truncate",
         description="Inputs longer than the model's limit: cut and flag the row, or reject it.",
     )
+    passthrough_columns: list[str] | Literal["all"] = Field(
+        default_factory=list,
+        description="Input columns copied into the output rows, after the results ('all': every input column "
+        "but the id), so no join back is needed.")
     pricing: PricingSpec = Field(
         default_factory=PricingSpec, description="GPU prices the run's cost ($, $/1M tokens) is computed from.")
     output: str = Field(DEFAULT_OUTPUT, description="Output directory; local or s3://.")
@@ -376,6 +438,16 @@ class JobSpec(_Spec):
                              "remove the index section or set mode: embed")
         return self
 
+    @model_validator(mode="after")
+    def _engine_supports_generation(self) -> JobSpec:
+        if self.mode == "generate" and self.model.engine == "transformers":
+            unsupported = transformers_unsupported(self.generation)
+            if unsupported:
+                raise ValueError("the transformers engine does not support generation."
+                                 f"{', generation.'.join(unsupported)}; use model.engine: vllm, or leave them at "
+                                 "their defaults")
+        return self
+
     @property
     def model_name(self) -> str:
         if self.model.name:
@@ -392,6 +464,16 @@ class JobSpec(_Spec):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# Fields Hugging Face `generate` has no equivalent for: the transformers engine refuses them.
+TRANSFORMERS_UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logprobs": None,
+                            "response_format": None}
+
+
+def transformers_unsupported(params: GenerationParams) -> list[str]:
+    """The generation fields set to something the transformers engine cannot do."""
+    return [name for name, default in TRANSFORMERS_UNSUPPORTED.items() if getattr(params, name) != default]
 
 
 def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

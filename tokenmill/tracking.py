@@ -179,8 +179,23 @@ def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSp
         padded_slots=padded,
         baseline_padded_slots=baseline,
     )
+    if spec.mode == "generate":
+        metrics.update(generation_metrics(spec, results, fresh))
     metrics.update(fleet or {})
     return {k: float(v) for k, v in metrics.items()}
+
+
+def generation_metrics(spec: JobSpec, results: list[ShardResult], fresh: list[ShardResult]) -> dict[str, float]:
+    """structured_invalid_rows (with a response format); prefix_cache_hit_rate: the share of prompt
+    tokens this run's shards found in vLLM's prefix cache (vLLM reports it per request)."""
+    metrics: dict[str, float] = {}
+    if spec.generation.response_format is not None:
+        metrics["structured_invalid_rows"] = float(sum(r.structured_invalid_rows for r in results))
+    reported = [r for r in fresh if r.prompt_cached_tokens is not None]
+    prompt_tokens = sum(r.input_tokens for r in reported)
+    if prompt_tokens:
+        metrics["prefix_cache_hit_rate"] = sum(r.prompt_cached_tokens for r in reported) / prompt_tokens
+    return metrics
 
 
 def padding_waste_avoided(fresh: list[ShardResult], cost: RunCost) -> dict[str, float]:
