@@ -31,7 +31,8 @@ from tokenmill.sample_corpus import write_sample_corpus
 from tokenmill.spec import IndexSpec, JobSpec
 from tokenmill.tasks.job import PrefectJob
 
-HF_MODEL = {"name": "all-MiniLM-L6-v2", "engine": "transformers"}  # starts in seconds; vLLM takes 40+
+# transformers starts in seconds (vLLM takes 40+); inputs cut at 64 tokens keep the embedding short
+HF_MODEL = {"name": "all-MiniLM-L6-v2", "engine": "transformers", "max_input_tokens": 64}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -211,3 +212,29 @@ def test_an_empty_or_unfinished_or_generated_output_is_refused(embedded, tmp_pat
         manifest_path.write_text(json.dumps({**manifest, **change}))
         with pytest.raises(IndexBuildError, match=reason):
             build_index(copy)
+
+
+@pytest.mark.parametrize("backend", ["faiss", "lancedb"])
+def test_an_output_on_s3_is_indexed_reused_and_searched(embedded, tmp_path, s3_server, backend):
+    import s3fs
+
+    spec, _ = embedded
+    local = _copy_output(spec, tmp_path)
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server)
+    bucket = f"index-{backend}"  # moto keeps buckets across servers in one process
+    fs.mkdir(bucket)
+    manifest = json.loads((tmp_path / "copy" / "_manifest.json").read_text())
+    for shard in manifest["shards"]:
+        shard["output"] = shard["output"].replace(local.output, f"{bucket}/emb")
+    (tmp_path / "copy" / "_manifest.json").write_text(json.dumps(manifest))
+    fs.put(local.output + "/", f"{bucket}/emb/", recursive=True)
+    remote = JobSpec(output=f"s3://{bucket}/emb", storage_options={"endpoint_url": s3_server}, model=HF_MODEL,
+                     index={"backend": backend})
+    report = build_index(remote)
+    assert not report.reused and report.recall_at_10 == pytest.approx(1.0)
+    fs.invalidate_cache()
+    assert fs.exists(f"{bucket}/emb/{INDEX_DIR}/index.json") and fs.ls(report.folder)
+    assert build_index(remote).reused
+    row = _corpus_rows(spec).to_pylist()[3]
+    (found,) = search_text(remote.output, [row["text"]], k=3, storage_options=remote.storage_options)
+    assert found[0]["id"] == row["id"]
