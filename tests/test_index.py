@@ -4,6 +4,7 @@ a clear reason."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -91,6 +92,17 @@ def test_the_flow_builds_the_index_and_records_recall_and_cost(embedded):
     assert metrics["index_bytes"] > 300 * 384 * 4 * 0.9
     assert metrics["index_build_seconds"] > 0 and metrics["index_queries_per_s"] > 0
     assert 0 < metrics["index_build_share_of_embed"] < 1
+    artifacts = MlflowClient(record.mlflow_tracking_uri).list_artifacts(record.mlflow_run_id)
+    assert "index.md" in {a.path for a in artifacts}
+    assert "recall@10 1.000" in asyncio.run(_artifact("tokenmill-index"))
+
+
+async def _artifact(key: str) -> str:
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        (artifact,) = [a for a in await client.read_artifacts() if a.key == key][:1]
+        return artifact.data
 
 
 def test_a_second_build_from_the_same_outputs_reuses_the_index(embedded):
