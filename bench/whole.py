@@ -41,8 +41,8 @@ from bench import corpora
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "bench" / "WHOLE_RUN.md"
 WORK = ROOT / "data" / "bench" / "whole"
-EMBED_ROWS = {"short": 3000, "long": 600, "mixed": 2000}
-GENERATE_ROWS = 96
+EMBED_ROWS = {"short": 8000, "long": 600, "mixed": 3000}  # ~100-150k tokens each: tens of seconds of encoding
+GENERATE_ROWS = 64
 GENERATE_MAX_TOKENS = 64
 SUMMARY_PROMPT = "Summarize the following text in one sentence.\n\n{text}"
 QUICK = {"embed_rows": {"short": 60, "long": 16, "mixed": 40}, "generate_rows": 6, "rounds": 1,

@@ -12,11 +12,13 @@ import atexit
 import gc
 import logging
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from tokenmill import timeline
 from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.spec import GenerationParams, JobSpec
 
@@ -29,6 +31,7 @@ CPU_MEMORY_SHARE = 0.3
 # (vllm/v1/engine/core_client.py); close() waits for them.
 VLLM_CLIENT_THREADS = ("EngineCoreOutputQueueThread", "MPClientEngineMonitor")
 ENGINE_THREAD_JOIN_SECONDS = 30.0
+ENGINE_SHUTDOWN_SECONDS = 2.0
 
 
 class VLLMEngine:
@@ -41,7 +44,9 @@ class VLLMEngine:
         self.engine_args = vllm_engine_args(model_path, spec)
         log.info("Starting vLLM: %s", self.engine_args)
         before = set(threading.enumerate())
+        started = time.perf_counter()
         self.llm = LLM(**self.engine_args)
+        self.start_seconds = time.perf_counter() - started
         self.client_threads = [t for t in threading.enumerate()
                                if t not in before and t.name in VLLM_CLIENT_THREADS]
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -76,7 +81,10 @@ class VLLMEngine:
             return
         client = llm.llm_engine.engine_core
         try:
-            client.shutdown()
+            # vLLM waits 5 s by default for the engine process to end on SIGTERM, then kills it. On a CPU
+            # its engine core rarely ends in time (measured here: every run waited the full 5 s), and it
+            # holds nothing a finished job needs: every output is written and recorded before close.
+            client.shutdown(timeout=ENGINE_SHUTDOWN_SECONDS)
         except Exception:  # noqa: BLE001 - a dead engine may fail to shut down; its threads still end
             log.debug("vLLM shutdown raised", exc_info=True)
         for thread in self.client_threads:
@@ -149,12 +157,19 @@ def engine_key(spec: JobSpec, model_path: str | None = None) -> tuple:
 
 
 def get_engine(model_path: str, spec: JobSpec) -> Engine:
-    """The process's engine for this model spec and mode, started on first use."""
+    """The process's engine for this model spec and mode, started on first use.
+    `engine: auto` is resolved first (tokenmill.engine_choice), so it shares the chosen engine."""
+    if spec.model.engine == "auto":
+        from tokenmill.engine_choice import resolve
+
+        spec = resolve(spec)
     key = engine_key(spec, model_path)
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None:
+            timeline.mark("engine_start")
             engine = _engines[key] = start_engine(model_path, spec)
+            timeline.mark("engine_ready")
         return engine
 
 
@@ -170,6 +185,10 @@ def start_engine(model_path: str, spec: JobSpec) -> Engine:
 
 def discard_engine(model_path: str, spec: JobSpec) -> None:
     """Forget (and close what is left of) the engine, so the next get_engine starts a new one."""
+    if spec.model.engine == "auto":
+        from tokenmill.engine_choice import resolve
+
+        spec = resolve(spec)
     with _engines_lock:
         engine = _engines.pop(engine_key(spec, model_path), None)
     if engine is not None:
@@ -202,6 +221,12 @@ def _close_engines_before_exit() -> None:
     if not _exit_hook_registered:
         atexit.register(close_engines)
         _exit_hook_registered = True
+
+
+def is_open(model_path: str, spec: JobSpec) -> bool:
+    """Whether this process already holds the engine get_engine would return for this spec."""
+    with _engines_lock:
+        return engine_key(spec, model_path) in _engines
 
 
 def open_engines() -> list[Engine]:
@@ -237,6 +262,12 @@ def engine_scope() -> Iterator[None]:
 
 def describe_engine(spec: JobSpec | None = None) -> tuple[str, str]:
     """(engine, device) for the run record."""
+    if spec is not None and spec.model.engine == "auto":
+        from tokenmill.engine_choice import chosen_engine
+
+        choice = chosen_engine(spec)
+        spec = spec.model_copy(update={"model": spec.model.model_copy(
+            update={"engine": choice.engine if choice else "vllm"})})
     if spec is not None and spec.model.engine == "transformers":
         import torch
 

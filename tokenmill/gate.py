@@ -112,8 +112,11 @@ def thresholds_for(spec: JobSpec) -> dict[str, float]:
 
 
 def job_for(spec: JobSpec, model: ModelSpec) -> JobSpec:
-    """The job run with another model (reference or candidate)."""
-    return spec.model_copy(update={"model": model})
+    """The job run with another model (reference or candidate); `engine: auto` resolved, so the
+    report names the engine that ran."""
+    from tokenmill.engine_choice import resolve
+
+    return resolve(spec.model_copy(update={"model": model}))
 
 
 def candidate_model(spec: JobSpec) -> ModelSpec:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -60,6 +61,7 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model_path: str, spec: JobSpec):
+        started = time.perf_counter()
         import torch
         from transformers import AutoModel, AutoModelForCausalLM
 
@@ -77,6 +79,7 @@ class TransformersEngine:
         log.info("Starting transformers %s on %s in %s", model_path, self.device, self.dtype)
         self.model = loader.from_pretrained(model_path, dtype=self.dtype, **spec.model.engine_kwargs)
         self.model.to(self.device).eval()
+        self.start_seconds = time.perf_counter() - started
         self.pooling = read_pooling(model_path) if spec.mode == "embed" else None
 
     def _padded(self, batch: Sequence[Sequence[int]], side: str):

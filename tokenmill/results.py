@@ -31,6 +31,7 @@ class ShardResult(BaseModel):
     seconds: float
     format_version: int = OUTPUT_FORMAT_VERSION
     worker: str = ""  # the worker run that wrote this result: a fleet's throughput per worker
+    engine: str = ""  # the engine that ran it (with `engine: auto`, each worker chooses on its own device)
     structured_invalid_rows: int = 0  # rows whose output does not conform to generation.response_format
     prompt_cached_tokens: int | None = None  # prompt tokens found in vLLM's prefix cache; None: not reported
 

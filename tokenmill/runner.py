@@ -10,7 +10,7 @@ import time
 
 import pyarrow as pa
 
-from tokenmill import progress
+from tokenmill import progress, timeline
 from tokenmill.bucketing import (
     PaddingStats,
     fixed_batches,
@@ -79,6 +79,7 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
 
         return run_openai_batch_shard(shard, spec, engine)
     started = time.perf_counter()
+    timeline.mark("first_shard_started")
     model_path = resolve_model(spec.model_name)
     store = OutputStore(spec.output, spec.storage_options)
 
@@ -102,6 +103,8 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
         )
 
     lengths = [len(ids) for ids in encoded.token_ids]
+    if engine is None and lengths:
+        engine = get_engine(model_path, spec)  # `auto` resolves here; how to feed depends on which engine
     engine_name = engine.name if engine is not None else spec.model.engine
     batches = plan_feed(lengths, spec, engine_name)
     if spec.mode == "generate" and not engine_pads(engine_name):
@@ -112,8 +115,8 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     results_by_batch: list = []
     if batches:
         try:
-            results_by_batch, engine_seconds = run_batches(engine or get_engine(model_path, spec), batches,
-                                                           encoded.token_ids, spec, shard.shard_id)
+            results_by_batch, engine_seconds = run_batches(engine, batches, encoded.token_ids, spec,
+                                                           shard.shard_id)
         except Exception as exc:
             if not engine_died(exc):
                 raise
@@ -154,6 +157,7 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
         baseline_padded_slots=baseline.padded_slots,
         engine_seconds=engine_seconds,
         seconds=time.perf_counter() - started,
+        engine=engine_name if batches else "",
         structured_invalid_rows=structured_invalid,
         prompt_cached_tokens=sum(g.cached_prompt_tokens for g in results)
         if spec.mode == "generate" and engine_name in UNPADDED_ENGINES else None,
@@ -173,6 +177,7 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
     engine_seconds = 0.0
     for batch in batches:
         batch_ids = [token_ids[i] for i in batch]
+        timeline.mark("first_engine_call")
         batch_started = time.perf_counter()
         results_by_batch.append(run_engine(engine, batch_ids, spec))
         engine_seconds += time.perf_counter() - batch_started

@@ -77,9 +77,12 @@ class ModelSpec(_Spec):
         description="A local path, a Hugging Face name, or a built-in alias "
         f"({DEFAULT_EMBED_MODEL}, {DEFAULT_GENERATE_MODEL}). Empty: the default for the mode.",
     )
-    engine: Literal["vllm", "transformers"] = Field(
-        "vllm",
-        description="vllm: the fast path. transformers: plain PyTorch, for machines where vLLM cannot run.",
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        "auto",
+        description="auto: a short timed trial on the job's sample picks the engine that finishes the job "
+        "soonest here (cached per model, mode and device; the reason is in the run record). vllm: continuous "
+        "batching, the fast path for generation and large models. transformers: plain PyTorch with length "
+        "buckets, often faster for small encoders.",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",

@@ -117,7 +117,8 @@ def spec_params(spec: JobSpec, with_model: bool = True) -> dict[str, Any]:
     if with_model:
         params.update({
             "model": spec.model_name,
-            "engine": spec.model.engine,
+            # `auto` is resolved when the shards start; the engine that ran is logged with the totals
+            ("engine_requested" if spec.model.engine == "auto" else "engine"): spec.model.engine,
             "dtype": spec.model.dtype,
             "quantization": spec.model.quantization or "none",
             "max_input_tokens": spec.model.max_input_tokens or "model limit",
