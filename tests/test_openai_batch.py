@@ -251,6 +251,25 @@ def test_mixed_endpoints_need_the_jobs_permission(tmp_path):
         run_openai_batch_shard(shard, generate_job(tmp_path, emb), StandInEngine())
 
 
+def test_a_custom_id_held_by_an_earlier_shard_becomes_an_error_line(tmp_path):
+    from tokenmill.audit import reject_cross_shard_duplicates
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", [chat_line("a1", "Hi"), chat_line("dup", "Hi")])
+    write_jsonl(folder / "b.jsonl", [chat_line("dup", "Hello"), chat_line("b1", "Hello")])
+    spec = generate_job(tmp_path, folder)
+    shards = discover_shards(str(folder))
+    results = [run_openai_batch_shard(shard, spec, StandInEngine()) for shard in shards]
+    results = reject_cross_shard_duplicates(spec, shards, results)
+    batch = Batch.model_validate(write_batch_files(spec, results))
+    out = tmp_path / "out" / OPENAI_DIR
+    assert [r["custom_id"] for r in read_jsonl(out / "output.jsonl")] == ["a1", "dup", "b1"]
+    (error,) = read_jsonl(out / "errors.jsonl")
+    assert error["custom_id"] == "dup" and error["error"]["code"] == "duplicate_custom_id"
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 3, 1)
+
+
 def test_a_file_with_no_valid_line_fails_the_job(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_LINES[2:])
     spec = generate_job(tmp_path, path, format="openai-batch")
@@ -344,7 +363,7 @@ def test_same_answers_as_vllm_run_batch(tmp_path):
            "--set", "model.engine_kwargs={gpu_memory_utilization: 0.3, max_model_len: 1024}"]
     with engine_lock():  # both engines back to back, none of another test's between
         ours_seconds = time.perf_counter()
-        _tokenmill(tmp_path, *job)
+        first_run = _tokenmill(tmp_path, *job)
         ours_seconds = time.perf_counter() - ours_seconds
         vllm_out = tmp_path / "vllm-output.jsonl"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(path),
@@ -363,6 +382,7 @@ def test_same_answers_as_vllm_run_batch(tmp_path):
     assert manifest["shards_total"] > 1  # byte-range shards of one file
     assert batch.request_counts.completed == len(lines) and batch.request_counts.failed == 0
     assert read_jsonl(out / "errors.jsonl") == []
+    assert f"{len(lines)} in = {len(lines)} out + 0 rejected" in first_run.stdout  # the run record's counts
 
     theirs = {}
     for line in read_jsonl(vllm_out):
@@ -385,3 +405,41 @@ def test_same_answers_as_vllm_run_batch(tmp_path):
     again = _tokenmill(tmp_path, *job)  # every shard cached: no engine starts
     assert "Cached" in again.stdout + again.stderr
     assert (out / "output.jsonl").read_text() == first, again.stdout[-2000:]
+
+
+@pytest.mark.engine
+def test_embeddings_on_the_real_engine(tmp_path):
+    """/v1/embeddings lines on vLLM (all-MiniLM-L6-v2): each input's vector is the one the engine gives
+    that text alone, a list input gets one per item, and the lines parse as CreateEmbeddingResponse."""
+    from tokenmill.engines import start_engine
+    from tokenmill.models import load_tokenizer
+
+    texts = QUESTIONS[:24]
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "all-MiniLM-L6-v2", "input": text}} for i, text in enumerate(texts)]
+    lines.append({"custom_id": "pair", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"model": "all-MiniLM-L6-v2", "input": texts[:2]}})
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"inputs": "typo"}})
+    path = write_jsonl(tmp_path / "emb.jsonl", lines)
+    spec = JobSpec(input=str(path), output=str(tmp_path / "out"), mode="embed", model=TEST_EMBED_MODEL)
+    (shard,) = discover_shards(str(path))
+    model_dir = resolve_model(spec.model_name)
+    with engine_lock():
+        engine = start_engine(model_dir, spec)
+        try:
+            result = run_openai_batch_shard(shard, spec, engine)
+            plain = engine.embed(load_tokenizer(model_dir)(texts, add_special_tokens=True)["input_ids"])
+        finally:
+            engine.close()
+    assert (result.rows_in, result.rows_out, result.rows_rejected) == (26, 25, 1)
+    Batch.model_validate(write_batch_files(spec, [result]))
+    bodies = {r["custom_id"]: CreateEmbeddingResponse.model_validate(r["response"]["body"])
+              for r in read_jsonl(tmp_path / "out" / OPENAI_DIR / "output.jsonl")}
+    for i in range(len(texts)):
+        vector = np.asarray(bodies[f"e{i}"].data[0].embedding, np.float32)
+        assert len(vector) == 384 and float(vector @ plain[i]) > 0.999
+    pair = bodies["pair"]
+    assert [d.index for d in pair.data] == [0, 1]
+    assert float(np.asarray(pair.data[1].embedding, np.float32) @ plain[1]) > 0.999
+    (error,) = read_jsonl(tmp_path / "out" / OPENAI_DIR / "errors.jsonl")
+    assert error["custom_id"] == "bad" and "inputs" in error["error"]["message"]

@@ -177,9 +177,9 @@ def first_line(fs, path: str, limit: int = 1 << 20) -> bytes:
 
 def _openai_batch_as_rows(data: bytes, columns: list[str]) -> bytes:
     """OpenAI Batch lines as plain rows (id = custom_id, text = the request's text), for readers that
-    take a corpus sample (the eval gate): the first two columns asked for are the id and the text.
-    A line that is not JSON stays as it is, so it is reported as such."""
-    if not columns or len(columns) < 2:
+    take a corpus sample (the eval gate) or ids (the cross-shard audit): the first column asked for is
+    the id, the second (if any) the text. A line that is not JSON stays as it is, so it is reported as such."""
+    if not columns:
         return data
     out = []
     for line in data.split(b"\n"):
@@ -189,7 +189,7 @@ def _openai_batch_as_rows(data: bytes, columns: list[str]) -> bytes:
             out.append(line)
             continue
         if isinstance(record, dict):
-            record = {columns[0]: record.get("custom_id"), columns[1]: line_text(record)}
+            record = {columns[0]: record.get("custom_id"), **({columns[1]: line_text(record)} if columns[1:] else {})}
         row = json.dumps(record, ensure_ascii=False).encode()
         out.append(row.ljust(len(line)))  # same length, so rejects keep the line's byte offset
     return b"\n".join(out)
