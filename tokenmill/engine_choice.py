@@ -113,9 +113,17 @@ def runnable_engines(spec: JobSpec) -> tuple[list[str], list[str]]:
         why_not.append(f"transformers: quantization {spec.model.quantization!r} is vLLM's")
     elif vllm_only:
         why_not.append(f"transformers: engine_kwargs are vLLM's ({', '.join(sorted(vllm_only))})")
+    elif spec.mode == "generate" and _openai_batch_input(spec):
+        why_not.append("transformers: OpenAI Batch requests each bring their own sampling parameters (vLLM's)")
     else:
         able.append("transformers")
     return able, why_not
+
+
+def _openai_batch_input(spec: JobSpec) -> bool:
+    from tokenmill.openai_batch import input_mode
+
+    return input_mode(spec) is not None
 
 
 def _vllm_arg_names() -> set[str]:
