@@ -223,8 +223,11 @@ def test_the_gate_compares_parsed_values_field_by_field(tmp_path, spec, engine, 
     from tokenmill import gate
 
     calls = []
+    real_get_engine = gate.get_engine
 
     def candidate_damaged(model_path, job_spec):
+        if job_spec.mode != "generate":  # the similarity metric's MiniLM
+            return real_get_engine(model_path, job_spec)
         calls.append(job_spec)
         return engine if len(calls) == 1 else DamagedEngine(engine)  # the reference first, then the candidate
 
@@ -232,3 +235,18 @@ def test_the_gate_compares_parsed_values_field_by_field(tmp_path, spec, engine, 
     damaged = evaluate(job, texts, source)
     metric = {m.name: m for m in damaged.metrics}["parsed_agreement"]
     assert metric.value <= 0.6 and not metric.passed and not damaged.passed
+
+
+def test_the_transformers_engine_does_what_generate_does(spec):
+    hf_job = JobSpec.model_validate({**spec.model_dump(), "model": {**TEST_GENERATE_MODEL.model_dump(),
+                                                                    "engine": "transformers", "engine_kwargs": {}}})
+    hf = get_engine(resolve_model(hf_job.model_name), hf_job)
+    ids = encode_rows(TICKETS[:2], hf_job, resolve_model(hf_job.model_name)).token_ids
+    params = hf_job.generation.model_copy(update={"n": 2, "temperature": 0.8, "top_k": 20, "min_p": 0.05,
+                                                  "repetition_penalty": 1.1, "min_tokens": 2, "stop": ["."],
+                                                  "max_tokens": 16})
+    rows = hf.generate(ids, params)
+    assert len(rows) == 2 and all(len(g.samples) == 2 for g in rows)
+    for g in rows:
+        assert g.output_tokens == sum(s.output_tokens for s in g.samples)
+        assert all("." not in s.text and s.output_tokens >= 2 for s in g.samples)
