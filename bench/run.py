@@ -376,6 +376,125 @@ def compare_vllm_vs_transformers_generate(prompts: list[str]) -> VllmVsTransform
         max_tokens=spec.generation.max_tokens, output_tokens=output_tokens)
 
 
+# Structured outputs and prefix order: what a generation job asks for, and what it costs
+LABEL_SCHEMA = {
+    "type": "object",
+    "properties": {"label": {"type": "string", "enum": ["software", "science", "web", "data", "other"]},
+                   "confidence": {"type": "number"}},
+    "required": ["label", "confidence"],
+    "additionalProperties": False,
+}
+STRUCTURED_MAX_TOKENS = 32
+PREFIXES = 4  # distinct few-shot prefixes in the prefix-order case
+PREFIX_MAX_TOKENS = 4  # short answers: the prompt (prefill), where the prefix cache saves, is the work
+SHOT_CHARS = 600  # each few-shot example's description, cut: a prefix of ~500 tokens per task
+ROW_CHARS = 300  # each row's own description, cut: most of a prompt is its task's shared prefix
+
+
+def label_messages(topic: str, shots: list[str]) -> list[dict[str, str]]:
+    """A system prompt and few-shot turns for one labelling task: the prefix rows of that task share."""
+    messages = [{"role": "system", "content": f"You label package descriptions by {topic}. Answer in JSON."}]
+    for i, shot in enumerate(shots):
+        messages += [{"role": "user", "content": f"Description: {shot[:SHOT_CHARS]}"},
+                     {"role": "assistant", "content": json.dumps({"label": "other", "confidence": 0.5 + i / 10})}]
+    return messages + [{"role": "user", "content": "Description: {text}"}]
+
+
+def generation_job(messages: list[dict[str, str]], max_tokens: int, **generation) -> JobSpec:
+    """The bench's generation job (the engine of compare_vllm_vs_transformers_generate, shared)."""
+    return JobSpec(mode="generate", model=ModelSpec(name=GENERATE_MODEL),
+                   generation={"max_tokens": max_tokens, "messages": messages, **generation})
+
+
+@dataclass
+class StructuredVsFree(Comparison):
+    """vLLM generating from the same prompts with a JSON schema (xgrammar) and without: the grammar's cost."""
+
+    structured: Variant
+    free: Variant
+    valid: dict[str, int] = field(default_factory=dict)  # outputs that validate, by variant, from its latest run
+    output_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def cost(self) -> float:
+        """Seconds with the grammar over seconds without."""
+        return self.structured.median / self.free.median
+
+
+def compare_structured_vs_free(texts: list[str]) -> StructuredVsFree:
+    """Starts the vLLM generation engine (shared with compare_vllm_vs_transformers_generate)."""
+    from tokenmill.generation import OutputChecker
+
+    messages = label_messages("topic", texts[-2:])
+    structured = generation_job(messages, STRUCTURED_MAX_TOKENS, response_format={"json_schema": LABEL_SCHEMA})
+    free = generation_job(messages, STRUCTURED_MAX_TOKENS)
+    model_path = resolve_model(free.model_name)
+    token_ids = encode_rows([text[:ROW_CHARS] for text in texts], free, model_path).token_ids
+    engine = get_engine(model_path, free)
+    checker = OutputChecker(structured.generation.response_format)
+    valid: dict[str, int] = {}
+    output_tokens: dict[str, int] = {}
+
+    def generate(job: JobSpec, name: str) -> Callable[[], None]:
+        def go() -> None:
+            (results,), _ = run_batches(engine, [list(range(len(token_ids)))], token_ids, job, "bench")
+            valid[name] = sum(checker.check(g.text, g.finish_reason).error is None for g in results)
+            output_tokens[name] = sum(g.output_tokens for g in results)
+        return go
+
+    tokens = sum(len(ids) for ids in token_ids)
+    return StructuredVsFree(
+        structured=Variant("vLLM generate, JSON schema (structured outputs)", generate(structured, "structured"),
+                           tokens, len(texts)),
+        free=Variant("vLLM generate, unconstrained", generate(free, "free"), tokens, len(texts)),
+        valid=valid, output_tokens=output_tokens)
+
+
+@dataclass
+class PrefixOrder(Comparison):
+    """Rows of several few-shot tasks, interleaved in the input: submitted in input order, or with rows that
+    share a prompt prefix adjacent (tokenmill.prompts.prefix_order). vLLM's prefix cache is on and emptied
+    before every run."""
+
+    prefix_order: Variant
+    input_order: Variant
+    hit_rate: dict[str, float] = field(default_factory=dict)  # cached share of prompt tokens, by variant
+
+    @property
+    def speedup(self) -> float:
+        return self.input_order.median / self.prefix_order.median
+
+
+def compare_prefix_order(texts: list[str]) -> PrefixOrder:
+    """Starts the vLLM generation engine (shared with compare_vllm_vs_transformers_generate)."""
+    from tokenmill.prompts import prefix_order
+
+    topics = ["topic", "audience", "maturity", "licence", "language", "size"][:PREFIXES]
+    shots = [texts[i::PREFIXES][:3] for i in range(PREFIXES)]
+    jobs = [generation_job(label_messages(topic, shot), PREFIX_MAX_TOKENS) for topic, shot in zip(topics, shots)]
+    model_path = resolve_model(jobs[0].model_name)
+    # row i belongs to task i % PREFIXES: in input order, no two neighbours share a prefix
+    token_ids = [encode_rows([text[:ROW_CHARS]], jobs[i % PREFIXES], model_path).token_ids[0]
+                 for i, text in enumerate(texts)]
+    engine = get_engine(model_path, jobs[0])
+    hit_rate: dict[str, float] = {}
+
+    def generate(order: list[int], name: str) -> Callable[[], None]:
+        def go() -> None:
+            engine.llm.reset_prefix_cache()  # every run starts cold
+            (results,), _ = run_batches(engine, [order], token_ids, jobs[0], "bench")
+            hit_rate[name] = sum(g.cached_prompt_tokens for g in results) / sum(len(token_ids[i]) for i in order)
+        return go
+
+    tokens = sum(len(ids) for ids in token_ids)
+    return PrefixOrder(
+        prefix_order=Variant(f"vLLM generate, {PREFIXES} few-shot prefixes, prefix order",
+                             generate(prefix_order(token_ids), "prefix"), tokens, len(texts)),
+        input_order=Variant(f"vLLM generate, {PREFIXES} few-shot prefixes, input order (interleaved)",
+                            generate(list(range(len(texts))), "input"), tokens, len(texts)),
+        hit_rate=hit_rate)
+
+
 @dataclass
 class PeakMemoryOfRun:
     rows: int
@@ -501,12 +620,15 @@ class BenchResults:
     engines_generate: VllmVsTransformersGenerate
     memory: MemoryScaling | None
     profile_text: str
+    structured: StructuredVsFree | None = None
+    prefix: PrefixOrder | None = None
     index: IndexCost | None = None
 
     @property
     def variants(self) -> list[Variant]:
         return variants_of(self.end_to_end, self.offline, self.buckets, self.sentence_transformers,
-                           self.engines_embed, self.engines_generate)
+                           self.engines_embed, self.engines_generate,
+                           *[c for c in (self.structured, self.prefix) if c is not None])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -517,6 +639,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--buckets-docs", type=int, default=1000, help="documents for buckets on/off")
     parser.add_argument("--generate-docs", type=int, default=32)
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--generation-features-only", action="store_true",
+                        help="run only the structured-output and prefix-order comparisons and print their rows")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--experiment", default=EXPERIMENT, help="MLflow experiment")
     parser.add_argument("--quick", action="store_true",
@@ -532,6 +656,12 @@ def main(argv: list[str] | None = None) -> int:
     started_at = dt.datetime.now(dt.timezone.utc)
     command = "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
     x1, x10 = prepare_corpora(args.docs)
+    if args.generation_features_only:
+        texts = pq.read_table(x1, columns=["text"]).column("text").to_pylist()
+        structured, prefix = generation_features(texts, args.generate_docs, args.repeats)
+        print("\n".join(generation_feature_rows(structured, prefix)))
+        print("\n".join(variant_row(v) for v in variants_of(structured, prefix)))
+        return 0
     scratch = Path(tempfile.mkdtemp(prefix="tokenmill-bench-"))
     corpus = load_embed_corpus(x1, scratch)
     print(f"corpus: {len(corpus.texts)} docs, {corpus.tokens} tokens "
@@ -560,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     engines_generate = compare_vllm_vs_transformers_generate(corpus.texts[: args.generate_docs])
     print("generation comparison, interleaved ...")
     interleave(engines_generate.variants, args.repeats)
+    structured, prefix = generation_features(corpus.texts, args.generate_docs, args.repeats)
     close_engines()
 
     memory = index = None
@@ -573,12 +704,45 @@ def main(argv: list[str] | None = None) -> int:
         command=command, started_at=started_at, machine=machine(), gpu=gpu_note(), docs=len(corpus.texts),
         tokens=corpus.tokens, repeats=args.repeats, end_to_end=end_to_end, offline=offline, buckets=buckets,
         sentence_transformers=vs_sentence_transformers, engines_embed=engines_embed,
-        engines_generate=engines_generate, memory=memory, profile_text=profile_text, index=index)
+        engines_generate=engines_generate, memory=memory, profile_text=profile_text, structured=structured,
+        prefix=prefix, index=index)
     write_report(results, args.results)
     log_to_mlflow(figures(results), args.results, args.experiment)
     shutil.rmtree(scratch, ignore_errors=True)
     print(args.results.read_text())
     return 0
+
+
+def generation_features(texts: list[str], docs: int, repeats: int) -> tuple[StructuredVsFree, PrefixOrder]:
+    """The structured-output and prefix-order comparisons, each interleaved on the vLLM generation engine."""
+    structured = compare_structured_vs_free(texts[:docs])
+    print("structured outputs vs unconstrained, interleaved ...")
+    interleave(structured.variants, repeats)
+    prefix = compare_prefix_order(texts[PREFIXES * 3: PREFIXES * 3 + 2 * docs])
+    print("prefix order vs input order, interleaved ...")
+    interleave(prefix.variants, repeats)
+    return structured, prefix
+
+
+def generation_feature_rows(structured: StructuredVsFree | None, prefix: PrefixOrder | None) -> list[str]:
+    """Rows of the "Against the targets" table for the generation features."""
+    rows = []
+    if structured is not None:
+        rows.append(_target_row(
+            "JSON schema (structured outputs) vs unconstrained, vLLM generate", f"{structured.cost:.2f}× time",
+            "report", None,
+            f"{structured.structured.items} prompts, max_tokens {STRUCTURED_MAX_TOKENS}: "
+            f"{structured.structured.median:.2f} s vs {structured.free.median:.2f} s; outputs valid "
+            f"{structured.valid.get('structured')} vs {structured.valid.get('free')}; output tokens "
+            f"{structured.output_tokens.get('structured')} vs {structured.output_tokens.get('free')}"))
+    if prefix is not None:
+        rows.append(_target_row(
+            f"prefix order vs input order, {PREFIXES} few-shot prefixes, vLLM prefix cache on",
+            f"{prefix.speedup:.2f}×", "report", None,
+            f"{prefix.prefix_order.items} rows, max_tokens {PREFIX_MAX_TOKENS}: {prefix.prefix_order.median:.2f} s vs "
+            f"{prefix.input_order.median:.2f} s; prefix-cache hit rate {prefix.hit_rate.get('prefix', 0):.1%} vs "
+            f"{prefix.hit_rate.get('input', 0):.1%}"))
+    return rows
 
 
 def profile(run: Callable[[], object]) -> str:
@@ -649,6 +813,7 @@ def target_rows(results: BenchResults) -> list[str]:
                     f"{generate.transformers.median:.2f} s; output tokens {generate.output_tokens.get('vllm')} vs "
                     f"{generate.output_tokens.get('transformers')}"),
     ]
+    rows += generation_feature_rows(results.structured, results.prefix)
     memory = results.memory
     if memory is not None:
         rows.append(_target_row(
@@ -744,6 +909,12 @@ def figures(results: BenchResults) -> dict[str, float | None]:
         "vllm_vs_transformers_embed": results.engines_embed.speedup,
         "vllm_vs_transformers_generate": results.engines_generate.speedup,
     }
+    if results.structured is not None:
+        named["structured_vs_free_time"] = results.structured.cost
+    if results.prefix is not None:
+        named.update(prefix_order_speedup=results.prefix.speedup,
+                     prefix_cache_hit_rate_prefix_order=results.prefix.hit_rate.get("prefix"),
+                     prefix_cache_hit_rate_input_order=results.prefix.hit_rate.get("input"))
     if results.memory is not None:
         named.update(memory_10x_vs_1x=results.memory.tree_ratio, memory_main_10x_vs_1x=results.memory.main_ratio)
     if results.index is not None:
