@@ -33,7 +33,7 @@ from pydantic import BaseModel
 
 from tokenmill import timeline
 from tokenmill.digest import stable_digest
-from tokenmill.spec import JobSpec
+from tokenmill.spec import JobSpec, transformers_unsupported
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,9 @@ def runnable_engines(spec: JobSpec) -> tuple[list[str], list[str]]:
         why_not.append(f"transformers: engine_kwargs are vLLM's ({', '.join(sorted(vllm_only))})")
     elif spec.mode == "generate" and _openai_batch_input(spec):
         why_not.append("transformers: OpenAI Batch requests each bring their own sampling parameters (vLLM's)")
+    elif spec.mode == "generate" and transformers_unsupported(spec.generation):
+        why_not.append(f"transformers: generation.{', generation.'.join(transformers_unsupported(spec.generation))} "
+                       "are vLLM's")
     else:
         able.append("transformers")
     return able, why_not
