@@ -90,7 +90,7 @@ def run_once(variant: Variant, experiment: str) -> Run:
     if done.returncode != 0:
         raise RuntimeError(f"{variant.name} exited {done.returncode}:\n{done.stderr[-3000:]}")
     if variant.kind == "script":
-        figures = json.loads(done.stdout.strip().splitlines()[-1])
+        figures = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
         return Run(wall, figures["engine_seconds"], metrics=figures)
     from mlflow.tracking import MlflowClient
 

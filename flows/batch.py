@@ -33,6 +33,7 @@ from tokenmill.tracking import log_gate_run, log_progress
 def batch_flow(spec: PrefectJob) -> JobRecord:
     """Embed or generate over a corpus of Parquet or JSONL files, shard by shard."""
     with engine_scope():  # engines this flow starts end with it
+        timeline.begin_job()
         timeline.mark("flow_started")
         logger = get_run_logger()
         started = time.perf_counter()

@@ -97,6 +97,9 @@ def plan_flow(spec: PrefectJob, window_hours: float, tokens_per_s_per_gpu: float
             tokens_per_s_per_gpu = local.tokens_per_s
             source = local.rate_source
             engine_start_seconds = local.fixed_seconds
+        elif spec.model.engine == "auto":  # one runnable engine: chosen without a trial, so nothing measured
+            raise ValueError(f"engine auto: {choice.reason}, so no trial measured this machine; give "
+                             "tokens_per_s_per_gpu (--tokens-per-s) or calibration_file from tokenmill calibrate")
         else:
             raise ValueError("give tokens_per_s_per_gpu, or calibration_file from tokenmill calibrate, "
                              "or engine: auto (its trial measures this machine)")

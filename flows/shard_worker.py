@@ -16,6 +16,7 @@ from tokenmill.dispatch import select_shards
 from tokenmill.engines import engine_scope
 from tokenmill.errors import TokenmillError
 from tokenmill.flows.results import WorkerRecord
+from tokenmill.tasks.engine import choose_engine_task
 from tokenmill.tasks.job import PrefectJob
 from tokenmill.tasks.shards import (
     discover_shards_task,
@@ -50,6 +51,8 @@ def shard_worker_flow(spec: PrefectJob, shard_ids: list[str] | None = None,
     with concurrency(spec.fleet.concurrency_limit, occupy=1, lease_duration=spec.fleet.slot_lease_seconds), \
             engine_scope():
         logger.info("holding a slot of concurrency limit %r", spec.fleet.concurrency_limit)
+        if spec.model.engine == "auto" and work:  # trials on this device, before the first shard task starts
+            choose_engine_task(spec, work)       # the straggler clock (a worker measuring is not late)
         runs = run_shards(spec, work, keep_going=True)
     if runs.failed:
         raise ShardsFailed(f"{len(runs.failed)} of {len(work)} shards failed: " +

@@ -29,6 +29,7 @@ class _ApiStart(threading.Thread):
 
         try:
             SubprocessASGIServer().start()
+            timeline.mark("api_ready")
         except BaseException as exc:  # noqa: BLE001 - the flow's own client reports it when it starts the API
             self.error = exc
 
@@ -57,7 +58,23 @@ def finish_api_start(thread: _ApiStart | None) -> None:
         log.warning("starting Prefect's API ahead of the flow failed (%s); the flow starts it", thread.error)
 
 
-def start_engine_early(spec: JobSpec) -> None:
+def nothing_left_to_run(spec: JobSpec, shards) -> bool:
+    """Whether the output's final manifest already covers every one of these shards (a rerun of a
+    finished job): then no engine is needed, and starting one early would be pure cost."""
+    from tokenmill.outputs import MANIFEST, OutputStore
+
+    try:
+        store = OutputStore(spec.output, spec.storage_options)
+        manifest = store.read_json(store.path(MANIFEST))
+    except Exception:  # noqa: BLE001 - no manifest (or none readable): there is work to do
+        return False
+    if not manifest.get("complete") or manifest.get("mode") != spec.mode or manifest.get("model") != spec.model_name:
+        return False
+    done = {(s["shard_id"], s["fingerprint"]) for s in manifest.get("shards", [])}
+    return all((s.shard_id, s.fingerprint) in done for s in shards)
+
+
+def start_engine_early(spec: JobSpec, api: _ApiStart | None = None) -> None:
     """The engine this job will run on, started now (for `auto`, chosen now: cached trials cost
     a second, a first trial runs here). Only for a job that runs here without a gate (a gate may
     change the model). Failures are left for the flow to meet and report."""
@@ -65,15 +82,20 @@ def start_engine_early(spec: JobSpec) -> None:
         return
     if getattr(spec, "storage_block", None):  # its credentials come through the API: wait for the flow
         return
-    from tokenmill.engine_choice import choose_engine, resolve
+    from tokenmill.engine_choice import choose_engine, resolve, trials_cached
     from tokenmill.engines import get_engine
     from tokenmill.models import resolve_model
     from tokenmill.planning import estimate_rows
     from tokenmill.shards import discover_shards_for
 
     try:
+        shards = discover_shards_for(spec)
+        if nothing_left_to_run(spec, shards):
+            return
         if spec.model.engine == "auto":
-            choose_engine(spec, job_rows=estimate_rows(spec, discover_shards_for(spec)))
+            if not trials_cached(spec):  # measured on a machine that is not busy starting the API
+                finish_api_start(api)
+            choose_engine(spec, job_rows=estimate_rows(spec, shards))
         get_engine(resolve_model(spec.model_name), resolve(spec))
     except Exception as exc:
         log.debug("early engine start skipped: %s", exc, exc_info=True)

@@ -153,3 +153,17 @@ def test_plan_without_a_rate_uses_the_engine_trial(trial_cache, corpus, tmp_path
         metrics["plan_local_fixed_seconds"] + metrics["plan_tokens"] / 1_000.0)
     plan_text = open(mlflow.MlflowClient().download_artifacts(plan_run.info.run_id, "plan.md", str(tmp_path))).read()
     assert "On this machine, one process" in plan_text and "transformers trial on this machine" in plan_text
+
+
+def test_auto_keeps_the_shard_keys_of_jobs_that_never_named_an_engine(corpus):
+    from tokenmill.results import shard_cache_key
+    from tokenmill.shards import discover_shards_for
+
+    auto = JobSpec(input=str(corpus))
+    (shard,) = discover_shards_for(auto)
+    assert shard_cache_key(shard, auto) == shard_cache_key(shard, with_engine_named(auto, "vllm"))
+    assert shard_cache_key(shard, auto) != shard_cache_key(shard, with_engine_named(auto, "transformers"))
+
+
+def with_engine_named(spec: JobSpec, engine: str) -> JobSpec:
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"engine": engine})})

@@ -191,8 +191,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     timeline.mark("cli_ready")
     api = start_api_in_background()  # both fixed costs at once (tokenmill/tasks/warm.py)
-    start_engine_early(spec)
+    start_engine_early(spec, api)
     finish_api_start(api)
+    timeline.mark("flow_called")
     with _progress_bar(enabled=not args.no_progress and sys.stderr.isatty()):
         record = batch_flow(spec)
     metrics = record.metrics

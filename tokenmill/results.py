@@ -55,7 +55,10 @@ def shard_cache_key(shard: ShardSpec, spec: JobSpec) -> str:
         "fingerprint": shard.fingerprint,
         "mode": spec.mode,
         "model": spec.model_name,
-        "model_spec": spec.model.model_dump(mode="json", exclude={"name"}),
+        # `auto` reads as vllm, the default it replaced: finished shards of jobs that never named an
+        # engine keep their keys. What auto picks does not enter: it is speed, like the batch settings.
+        "model_spec": {**spec.model.model_dump(mode="json", exclude={"name"}),
+                       **({"engine": "vllm"} if spec.model.engine == "auto" else {})},
         "generation": generation_identity(spec) if spec.mode == "generate" else None,
         "columns": [spec.id_column, spec.text_column],
         "overlong": spec.overlong,

