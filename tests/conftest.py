@@ -8,6 +8,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+# engine: auto caches its trials; tests (and the commands they start) share one fresh cache, not the user's
+os.environ.setdefault("TOKENMILL_CACHE_DIR", __import__("tempfile").mkdtemp(prefix="tokenmill-test-cache-"))
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
