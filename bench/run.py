@@ -867,7 +867,9 @@ Written by `make bench` (`{results.command.strip()}`); do not edit by hand (note
   for embeddings, SmolLM2-135M-Instruct for generation; fp32 on CPU
 - **Method:** every variant does the same work on the same texts in one process; rounds are interleaved
   (each round runs every variant once) after one warm-up run each; {results.repeats} rounds; medians and ratios.
-  Engine start is excluded.
+  Engine start is excluded: these are engine-path figures on the sample corpus. Whole processes as users run
+  them (start-up included, corpora nobody tuned for, against a sentence-transformers script and one LLM.chat
+  call): [WHOLE_RUN.md](WHOLE_RUN.md).
 
 ## Against the targets
 
