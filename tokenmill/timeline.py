@@ -66,7 +66,7 @@ def measures_process() -> bool:
 PARTS = (
     ("fixed/interpreter_and_imports_seconds", "process", "cli_ready"),
     ("fixed/orchestrator_api_seconds", "api_start", "api_ready"),  # Prefect's ephemeral API, in the background
-    ("fixed/flow_start_seconds", "flow_called", "flow_started"),  # the flow run created, its task runner up
+    ("fixed/flow_start_seconds", "flow_called", "flow_started"),  # the orchestrator records the job as started
     ("fixed/engine_start_seconds", "engine_start", "engine_ready"),
     ("fixed/engine_choice_seconds", "engine_choice_start", "engine_choice_done"),
     ("fixed/first_shard_prepare_seconds", "first_shard_started", "first_engine_call"),
