@@ -111,9 +111,15 @@ def test_auto_runs_trials_records_why_and_reuses_them(trial_cache, corpus, embed
     assert out.column("id").to_pylist() == [f"d{i:03d}" for i in range(len(TEXTS) * 6)]  # input order kept
 
     monkeypatch.setattr(engine_choice, "_chosen", {})  # a new process: only the cache file remains
-    again = batch_flow(spec.model_copy(update={"output": str(tmp_path / "out-again")}))
-    run = client.get_run(again.mlflow_run_id)
-    assert run.data.params["engine_choice_cached"] == "true" and run.data.params["engine"] == chosen
+    try:
+        again = batch_flow(spec.model_copy(update={"output": str(tmp_path / "out-again")}))
+        run = client.get_run(again.mlflow_run_id)
+        assert run.data.params["engine_choice_cached"] == "true" and run.data.params["engine"] == chosen
+    finally:  # the session holds engines open across modules: leave none of these for later tests to find
+        from tokenmill.engines import discard_engine
+
+        for engine in ("vllm", "transformers"):
+            discard_engine(resolve_model(spec.model_name), engine_choice.with_engine(spec, engine))
 
 
 def test_a_runs_measurement_becomes_the_next_prediction(trial_cache):

@@ -152,6 +152,10 @@ def test_the_gate_never_holds_reference_and_candidate_engines_at_once(tmp_path, 
         "model": {"name": "all-MiniLM-L6-v2", "engine": "transformers", "dtype": "bfloat16"},
         "gate": {"reference": {"name": "all-MiniLM-L6-v2", "engine": "transformers"}, "sample_rows": 8},
     })
+    from tokenmill.gate import candidate_model, job_for
+
+    for side in (spec.gate.reference, candidate_model(spec)):  # none left open by earlier tests of the session
+        engines.discard_engine(resolve_model(side.name), job_for(spec, side))
     before = len(open_engines())
     report = evaluate(spec, TEXTS, "test")
     assert held_at_start == [before, before]  # the candidate started with the reference already gone
