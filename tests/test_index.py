@@ -134,6 +134,22 @@ def test_a_changed_output_rebuilds_the_index_and_drops_the_old_one(embedded, tmp
     assert {h["id"] for h in hit} == set(table.column("id").to_pylist()[:2])
 
 
+def test_near_duplicate_documents_do_not_lower_exact_recall(embedded, tmp_path):
+    """Forty copies of one document, embedded a rounding error apart: which of them rank 10th is
+    arbitrary (BLAS order), for the index and the exact check alike, and is not a recall miss."""
+    spec, _ = embedded
+    copy = _copy_output(spec, tmp_path, backend="faiss")
+    shard = json.loads((tmp_path / "copy" / "_manifest.json").read_text())["shards"][0]["output"]
+    table = pq.read_table(shard)
+    vectors = np.array(table.column("embedding").to_pylist(), dtype=np.float32)
+    noise = np.random.default_rng(0).normal(size=(40, vectors.shape[1])).astype(np.float32) * 1e-7
+    vectors[:40] = vectors[0] + noise
+    embedding = pa.array(list(vectors), pa.list_(pa.float32()))
+    pq.write_table(table.set_column(table.schema.get_field_index("embedding"), "embedding", embedding), shard)
+    report = build_index(copy)
+    assert report.kind == "flat" and report.recall_at_10 == pytest.approx(1.0)
+
+
 def test_search_finds_a_document_from_its_own_text(embedded):
     spec, _ = embedded
     corpus = _corpus_rows(spec).to_pylist()
