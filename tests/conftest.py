@@ -20,9 +20,14 @@ from tokenmill.tasks.job import PrefectJob  # noqa: E402
 
 # One model spec for every embedding test, so the process starts one vLLM engine.
 # vLLM named, not `auto`: these tests are about vLLM (tests/test_engine_choice.py tests `auto`).
-TEST_EMBED_MODEL = ModelSpec(name="all-MiniLM-L6-v2", engine="vllm", engine_kwargs={"gpu_memory_utilization": 0.1})
+# enforce_eager: no torch.compile at engine start. The tests check behaviour, not speed, and on this
+# CPU vLLM recompiles at every start (its compile cache fails to load), tens of seconds per engine.
+VLLM_TEST_KWARGS = {"enforce_eager": True}
+TEST_EMBED_MODEL = ModelSpec(name="all-MiniLM-L6-v2", engine="vllm",
+                             engine_kwargs={"gpu_memory_utilization": 0.1, **VLLM_TEST_KWARGS})
 TEST_GENERATE_MODEL = ModelSpec(
-    name="SmolLM2-135M-Instruct", engine="vllm", engine_kwargs={"gpu_memory_utilization": 0.3, "max_model_len": 1024}
+    name="SmolLM2-135M-Instruct", engine="vllm",
+    engine_kwargs={"gpu_memory_utilization": 0.3, "max_model_len": 1024, **VLLM_TEST_KWARGS},
 )
 
 TEXTS = [
@@ -68,6 +73,23 @@ def _engines_for_the_session():
 
     with engine_scope():
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _only_the_shared_engines_outlive_a_module():
+    # The two shared test models stay open for the whole session; any other engine a module started
+    # (another model spec, a gate's reference, an engine trial) is closed when the module ends, so
+    # no module finds another's engine (and reuses it instead of starting its own), and the
+    # session's memory does not grow with every module's engines.
+    yield
+    from tokenmill import engines
+
+    shared = {TEST_EMBED_MODEL.model_dump_json(), TEST_GENERATE_MODEL.model_dump_json()}
+    with engines._engines_lock:
+        others = [key for key in engines._engines if key[2] not in shared]
+        closing = [engines._engines.pop(key) for key in others]
+    for engine in closing:
+        engine.close()
 
 
 @pytest.fixture
