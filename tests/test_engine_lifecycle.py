@@ -16,7 +16,7 @@ import pytest
 from conftest import TEXTS, write_parquet
 from tokenmill.engines import open_engines
 
-SMALL_VLLM = "model.engine_kwargs={gpu_memory_utilization: 0.1}"
+SMALL_VLLM = "model.engine_kwargs={gpu_memory_utilization: 0.1, enforce_eager: true}"
 
 
 def environment(cwd):
@@ -52,7 +52,7 @@ def test_the_flow_closes_its_vllm_engine_when_it_ends(tmp_path, corpus):
         if __name__ == "__main__":
             spec = JobSpec.model_validate({{
                 "input": {str(corpus)!r}, "output": {str(tmp_path / "out")!r},
-                "model": {{"engine_kwargs": {{"gpu_memory_utilization": 0.1}}}},
+                "model": {{"engine_kwargs": {{"gpu_memory_utilization": 0.1, "enforce_eager": True}}}},
                 "tracking": {{"mlflow_tracking_uri": "sqlite:///{tmp_path}/mlflow.db"}}}})
             seen = {{}}
             import tokenmill.engines as engines
@@ -101,7 +101,8 @@ def test_cli_run_embed_exits_0_every_time(tmp_path, corpus):
 def test_cli_run_generate_exits_0(tmp_path, corpus):
     done = tokenmill("run", "--mode", "generate", "--input", str(corpus), "--output", str(tmp_path / "gen"),
                      "--max-tokens", "8", "--no-progress", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db",
-                     "--set", "model.engine_kwargs={gpu_memory_utilization: 0.3, max_model_len: 1024}", cwd=tmp_path)
+                     "--set", "model.engine_kwargs={gpu_memory_utilization: 0.3, max_model_len: 1024, enforce_eager: true}",
+                     cwd=tmp_path)
     assert_clean_exit(done, "tokenmill run (generate)")
     assert f"Rows:      {len(TEXTS)} in = {len(TEXTS)} out + 0 rejected" in done.stdout
 
@@ -115,7 +116,7 @@ def test_cli_gate_exits_0(tmp_path, corpus):
         model: {{name: all-MiniLM-L6-v2, engine: transformers}}
         tracking: {{mlflow_tracking_uri: "sqlite:///{tmp_path}/mlflow.db"}}
         gate:
-          reference: {{name: all-MiniLM-L6-v2, engine_kwargs: {{gpu_memory_utilization: 0.1}}}}
+          reference: {{name: all-MiniLM-L6-v2, engine_kwargs: {{gpu_memory_utilization: 0.1, enforce_eager: true}}}}
           sample_rows: 8
     """))
     done = tokenmill("gate", "--config", str(job), cwd=tmp_path)

@@ -360,7 +360,7 @@ def test_same_answers_as_vllm_run_batch(tmp_path):
 
     job = ["--input", str(path), "--output", str(tmp_path / "out"), "--engine", "vllm", "--max-batch-size", "32",
            "--set", "batching.max_shard_bytes=2048",
-           "--set", "model.engine_kwargs={gpu_memory_utilization: 0.3, max_model_len: 1024}"]
+           "--set", "model.engine_kwargs={gpu_memory_utilization: 0.3, max_model_len: 1024, enforce_eager: true}"]
     with engine_lock():  # both engines back to back, none of another test's between
         ours_seconds = time.perf_counter()
         first_run = _tokenmill(tmp_path, *job)
@@ -369,7 +369,7 @@ def test_same_answers_as_vllm_run_batch(tmp_path):
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(path),
                "-o", str(vllm_out), "--model", model_dir, "--served-model-name", "SmolLM2-135M-Instruct",
                "--dtype", "float32", "--max-model-len", "1024", "--gpu-memory-utilization", "0.3",
-               "--max-num-seqs", "32"]
+               "--max-num-seqs", "32", "--enforce-eager"]
         theirs_seconds = time.perf_counter()
         done = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
         theirs_seconds = time.perf_counter() - theirs_seconds

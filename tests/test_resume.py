@@ -100,7 +100,7 @@ def write_corpus(tmp_path, rows):
 def cli_args(corpus, output, tracking_db):
     args = [sys.executable, "-m", "tokenmill.cli", "run", "--input", str(corpus), "--output", output.uri,
             "--max-shard-rows", "100", "--tracking-uri", f"sqlite:///{tracking_db}", "--no-progress",
-            "--set", "model.engine_kwargs={gpu_memory_utilization: 0.1}"]
+            "--set", "model.engine_kwargs={gpu_memory_utilization: 0.1, enforce_eager: true}"]
     if output.options:
         args += ["--set", f"storage_options={{endpoint_url: '{output.options['endpoint_url']}'}}"]
     return args
@@ -112,7 +112,7 @@ def test_a_killed_run_resumes_with_finished_shards_cached(tmp_path, output):
     args = cli_args(corpus, output, tmp_path / "mlflow.db")
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / ".prefect"))
     spec = JobSpec(input=str(corpus), output=output.uri, storage_options=output.options,
-                   model=ModelSpec(engine_kwargs={"gpu_memory_utilization": 0.1}))
+                   model=ModelSpec(engine_kwargs={"gpu_memory_utilization": 0.1, "enforce_eager": True}))
     keys = {shard_cache_key(s, spec): s.shard_id for s in discover_shards(str(corpus), max_shard_rows=100)}
     assert len(keys) == 12
 
