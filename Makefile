@@ -45,6 +45,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.whole
+	$(BIN)/python -m bench.index_scale
 
 clean:
 	rm -rf output mlflow.db mlruns
