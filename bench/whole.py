@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="rows of every corpus times this")
     parser.add_argument("--keep-trials", action="store_true",
                         help="reuse the engine trials of an earlier run (the warm-ups then time no trial)")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="with --keep-trials: no warm-up runs (the first-run column stays empty)")
     args = parser.parse_args(argv)
     rounds = QUICK["rounds"] if args.quick else args.rounds
     report = QUICK["report"] if args.quick else REPORT
@@ -182,19 +184,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs:
         wanted = {name.strip() for name in args.jobs.split(",")}
         jobs = {name: variants for name, variants in jobs.items() if name in wanted}
+    if args.no_warmup and not args.keep_trials:
+        parser.error("--no-warmup needs --keep-trials: without it the first rounds would pay for the engine trials")
     for job, variants in jobs.items():
         for variant in variants:
-            if variant.kind == "tokenmill":
+            if variant.kind == "tokenmill" and not args.no_warmup:
                 variant.warmup = run_once(variant, experiment)
                 print(f"warm-up {job} / {variant.name}: {variant.warmup.wall:.1f} s", flush=True)
+    report.parent.mkdir(parents=True, exist_ok=True)
     for round_number in range(rounds):
         for job, variants in jobs.items():
             for variant in variants:
                 variant.runs.append(run_once(variant, experiment))
                 print(f"round {round_number + 1} {job} / {variant.name}: {variant.runs[-1].wall:.1f} s", flush=True)
-    report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(render(jobs, about, rounds))
-    print(f"wrote {report}")
+        report.write_text(render(jobs, about, round_number + 1))  # a run cut short keeps the rounds it finished
+        print(f"wrote {report} ({round_number + 1} of {rounds} rounds)", flush=True)
     return 0
 
 
@@ -213,7 +217,9 @@ def render(jobs: dict[str, list[Variant]], about: dict[str, dict], rounds: int) 
         "written); generation on SmolLM2-135M-Instruct, greedy, max_tokens "
         f"{GENERATE_MAX_TOKENS}.",
         f"- **Method:** every variant a separate process, timed spawn to exit; {rounds} interleaved rounds after "
-        "one warm-up of each tokenmill job (its engine trial; reported apart); medians. Ratios are speed: "
+        + ("one warm-up of each tokenmill job (its engine trial; reported apart)" if any(
+            v.warmup for vs in jobs.values() for v in vs) else "no warm-up (engine trials kept from an earlier run)")
+        + "; medians. Ratios are speed: "
         "the alternative's seconds over tokenmill's (above 1: tokenmill is faster).",
         "",
         "| job | rows | variant | wall s (median) | runs | engine s | engine | fixed s | predicted wall s |",
@@ -251,7 +257,8 @@ def render(jobs: dict[str, list[Variant]], about: dict[str, dict], rounds: int) 
         target = goal[job.split()[0]]
         lines.append(f"| {job} | {against} | {ratio:.2f}× | ≥ {target}× | {'yes' if ratio >= target else 'no'} | "
                      f"{'' if engine_ratio is None else f'{engine_ratio:.2f}×'} | "
-                     f"{'' if error is None else f'{error:+.1%}'} | {warmup.wall:.1f} s |" if warmup else "|")
+                     f"{'' if error is None else f'{error:+.1%}'} | "
+                     f"{f'{warmup.wall:.1f} s' if warmup else 'not run (--no-warmup)'} |")
     lines += ["", "The prediction is tokenmill's own (`predicted_wall_seconds` in its MLflow run: the last run's "
               "fixed seconds and steady factor on this machine, the engine trial's tokens/s), against its own "
               "`measured_wall_seconds` (process start to the run record, before shutdown).", ""]
