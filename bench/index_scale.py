@@ -4,7 +4,8 @@
     python -m bench.index_scale --docs 2000   # a smaller slice of the sample corpus: proves the path
 
 1. `tokenmill run` embeds the sample corpus with an `index:` section left to its defaults, as a user
-   runs it: one process, timed spawn to exit, the peak memory of its process tree sampled. The
+   runs it: one process, timed spawn to exit, the peak memory of its process tree sampled; and the
+   same job on a tenth of the corpus, so the peak of the whole job is compared at 10x. The
    index's own figures (kind chosen, build seconds beside the shards' embedding seconds, recall@10
    against exact search on held-out queries, bytes, queries/s) are the job's record.
 2. The index stage alone (`build_index` in a process of its own, its peak RSS sampled) over that
@@ -43,6 +44,10 @@ from tokenmill.memory import PeakMemory  # noqa: E402
 REPORT = ROOT / "bench" / "INDEX_SCALE.md"
 SAMPLE = ROOT / "data" / "sample-corpus"
 GIB = 2**30
+# Both jobs cut shards of this many rows, so the job on a tenth of the corpus also runs full shards
+# (with the default 5,000 it would run one 2,000-row shard against the whole job's 5,000-row ones,
+# and the comparison would measure the shard size, not the corpus size).
+SHARD_ROWS = 1000
 
 
 @dataclass
@@ -69,7 +74,7 @@ def corpus(docs: int, scratch: Path) -> Path:
 def embed_with_index(source: Path, output: Path, scratch: Path) -> JobRun:
     """`tokenmill run` with `--set index={}`: the whole job as a user runs it."""
     args = [sys.executable, "-m", "tokenmill.cli", "run", "--input", str(source), "--output", str(output),
-            "--set", "index={}", "--no-progress", "--tracking-uri", f"sqlite:///{scratch}/mlflow.db",
+            "--set", "index={}", "--max-shard-rows", str(SHARD_ROWS), "--no-progress", "--tracking-uri", f"sqlite:///{scratch}/mlflow.db",
             "--experiment", "tokenmill-bench-index"]
     env = dict(os.environ, PREFECT_HOME=str(scratch / "prefect"), HF_HUB_OFFLINE="1",
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
@@ -130,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="tokenmill-bench-index-"))
     try:
+        tenth = corpus(max(1, args.docs // 10), scratch)
+        print(f"embedding {tenth} with an index section ...", flush=True)
+        small = embed_with_index(tenth, scratch / "tenth", scratch)
         source = corpus(args.docs, scratch)
         print(f"embedding {source} with an index section ...", flush=True)
         job = embed_with_index(source, scratch / "x1", scratch)
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                                    ("10x, default", x10, "auto"), ("10x, flat", x10, "flat")]:
             builds[name] = index_build_run(output, kind)
             print(f"{name}: {builds[name]}", flush=True)
-        report = render(job, builds)
+        report = render(job, small, builds)
         args.report.write_text(report)
         print(report)
     finally:
@@ -149,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def render(job: JobRun, builds: dict[str, IndexBuildRun]) -> str:
+def render(job: JobRun, small: JobRun, builds: dict[str, IndexBuildRun]) -> str:
     from tokenmill.tracking import cpu_model
 
     r = job.report
@@ -164,7 +172,8 @@ def render(job: JobRun, builds: dict[str, IndexBuildRun]) -> str:
         "",
         f"- **Date:** {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- **Machine:** {cpu_model()}, {os.cpu_count()} logical cores, Python {sys.version.split()[0]}",
-        f"- **Job:** `tokenmill run --input data/sample-corpus --set index={{}}` ({job.rows:,} documents, "
+        f"- **Job:** `tokenmill run --input data/sample-corpus --set index={{}} --max-shard-rows {SHARD_ROWS}` "
+        f"({job.rows:,} documents, "
         f"all-MiniLM-L6-v2, engine auto: it chose {job.engine}), one process timed spawn to exit.",
         "",
         "## The job",
@@ -179,6 +188,10 @@ def render(job: JobRun, builds: dict[str, IndexBuildRun]) -> str:
         f"| index bytes, queries/s | {r['index_bytes'] / 2**20:.1f} MiB, {r['queries_per_s']:,.0f} | report | |",
         f"| whole job: wall, peak memory of its process tree | {job.wall_s:.1f} s, {job.peak_tree_gib:.2f} GiB "
         "| report | |",
+        f"| whole job's peak memory, {job.rows:,} documents against {small.rows:,} (the same job on a tenth) | "
+        f"{job.peak_tree_gib / small.peak_tree_gib:.2f}× ({small.peak_tree_gib:.2f} → {job.peak_tree_gib:.2f} GiB; "
+        f"index {small.report['kind']} → {job.report['kind']}) | ≤ 1.3× | "
+        f"{'yes' if job.peak_tree_gib / small.peak_tree_gib <= 1.3 else 'no'} |",
         "",
         "## The index stage alone, 1x and 10x",
         "",
