@@ -48,7 +48,10 @@ def prefect_api_configured() -> bool:
     opposed to the ephemeral API a bare `tokenmill run` starts for itself and stops."""
     from prefect.settings import PREFECT_API_URL
 
-    return bool(PREFECT_API_URL.value())
+    from tokenmill.tasks.warm import temporary_api_url
+
+    url = PREFECT_API_URL.value()
+    return bool(url) and url != temporary_api_url()
 
 
 def prefect_tags() -> dict[str, str]:

@@ -1,17 +1,28 @@
 """A job's fixed seconds, overlapped: the orchestrator's API starts while the engine does.
 
-Run as a command, a job pays for Prefect's ephemeral API (a server subprocess: 5 to 15 s on a
+Run as a command, a job pays for Prefect's ephemeral API (a server subprocess: 10 to 15 s on a
 small machine) and then for the engine (seconds for transformers, 30 to 50 s for vLLM on a
-CPU), one after the other. Neither needs the other, so the CLI starts the API in a
-background thread (its work is in the server's own process) while the main thread starts
+CPU), one after the other. Neither needs the other, so the CLI spawns the API's process as
+soon as the job is parsed (EphemeralApi) while the main thread imports the flow and starts
 the engine; the flow then finds both ready. vLLM starts in the main thread, where it
 expects to be.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
+
+import prefect
 
 from tokenmill import timeline
 from tokenmill.spec import JobSpec
@@ -19,43 +30,143 @@ from tokenmill.spec import JobSpec
 log = logging.getLogger(__name__)
 
 
-class _ApiStart(threading.Thread):
-    def __init__(self):
+# What Prefect's own ephemeral server process gets (prefect.server.api.server.SubprocessASGIServer,
+# Prefect 3.7): the API app, no UI, marked ephemeral.
+SERVER_ENVIRONMENT = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+PORT_IN_USE_EXIT = 3  # uvicorn's exit status when its port was taken after we chose it
+
+
+class EphemeralApi(threading.Thread):
+    """Prefect's ephemeral API server, started by the CLI the way Prefect starts it, minus one cost.
+
+    Left to itself, Prefect starts the server at the flow's first API call: the CLI process first
+    imports the server's own code (`prefect.server.api.server`, 4.4 s here) only to spawn a process
+    that imports it again. Here the process is spawned as soon as the job is parsed, with the same
+    command and environment, and this thread waits for its health check while the main thread
+    imports the flow and starts the engine. Once it answers, PREFECT_API_URL points at it, so
+    Prefect's client talks to it as to any server; it is stopped at exit like Prefect's, and dies
+    with the CLI if the CLI is killed.
+    """
+
+    def __init__(self, timeout: float):
         super().__init__(name="tokenmill-api-start", daemon=True)
-        self.error: BaseException | None = None
+        self.timeout = timeout
+        self.error: str | None = None
+        self.url: str | None = None
+        self.process: subprocess.Popen | None = None
+        self._spawn()
+        atexit.register(self.stop)  # registered before Prefect's log and event workers: they flush first
+
+    def _spawn(self) -> None:
+        from prefect.settings import get_current_settings
+
+        self.port = _free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent),
+             "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
+            env={**os.environ, **SERVER_ENVIRONMENT,
+                 **get_current_settings().to_environment_variables(exclude_unset=True)},
+            # tied to the spawning thread's life: only the main thread lives as long as the CLI
+            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
+        )
 
     def run(self) -> None:
-        from prefect.server.api.server import SubprocessASGIServer
+        import httpx
 
+        deadline = time.monotonic() + self.timeout
+        with httpx.Client(timeout=5) as client:
+            while time.monotonic() < deadline:
+                status = self.process.poll()
+                if status == PORT_IN_USE_EXIT:
+                    self._spawn()
+                    continue
+                if status is not None:
+                    self.error = f"the server process exited with status {status}"
+                    return
+                try:
+                    if client.get(f"http://127.0.0.1:{self.port}/api/health").status_code == 200:
+                        self.url = f"http://127.0.0.1:{self.port}/api"
+                        timeline.mark("api_ready")
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+        self.error = f"no answer within {self.timeout:.0f} s"
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
         try:
-            SubprocessASGIServer().start()
-            timeline.mark("api_ready")
-        except BaseException as exc:  # noqa: BLE001 - the flow's own client reports it when it starts the API
-            self.error = exc
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
-def start_api_in_background() -> _ApiStart | None:
-    """Start Prefect's ephemeral API now, if this process would use one. Join the thread before
-    any Prefect call: until then the server counts as running but may not answer yet."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the server process, before it runs: end it when the CLI dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def temporary_api_url() -> str | None:
+    """The URL of the ephemeral API this process started, if it did: a server that ends with the
+    process, not one someone runs (whose URLs are worth recording)."""
+    return os.environ.get(TEMPORARY_API_VARIABLE)
+
+
+TEMPORARY_API_VARIABLE = "TOKENMILL_TEMPORARY_PREFECT_API_URL"
+
+
+def start_api_in_background() -> EphemeralApi | None:
+    """Start Prefect's ephemeral API now, if this process would use one. Call finish_api_start
+    before any Prefect API call."""
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_ALLOW_EPHEMERAL_MODE,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )
 
     timeline.mark("api_start")
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
         return None
-    thread = _ApiStart()
-    thread.start()
-    return thread
+    try:
+        api = EphemeralApi(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
+    except Exception as exc:  # noqa: BLE001 - Prefect starts its own at the flow's first call
+        log.warning("starting Prefect's API ahead of the flow failed (%s); the flow starts it", exc)
+        return None
+    api.start()
+    return api
 
 
-def finish_api_start(thread: _ApiStart | None) -> None:
-    if thread is None:
+def finish_api_start(api: EphemeralApi | None) -> None:
+    """Wait for the API started ahead, then point Prefect at it. If it did not come up, stop it
+    and leave Prefect to start its own at the flow's first call (and report its error)."""
+    if api is None:
         return
-    thread.join()
-    if thread.error is not None:
-        from prefect.server.api.server import SubprocessASGIServer
+    api.join()
+    if api.url is None:
+        api.stop()
+        log.warning("starting Prefect's API ahead of the flow failed (%s); the flow starts it", api.error)
+        return
+    import prefect.context
 
-        SubprocessASGIServer().running = False  # let the flow's client try again, and report its error
-        log.warning("starting Prefect's API ahead of the flow failed (%s); the flow starts it", thread.error)
+    refresh = getattr(prefect.context, "refresh_global_settings_context", None)  # Prefect >= 3.4.x
+    if refresh is None:
+        api.stop()
+        return
+    os.environ["PREFECT_API_URL"] = os.environ[TEMPORARY_API_VARIABLE] = api.url
+    refresh()  # every thread's Prefect client now uses it
 
 
 def nothing_left_to_run(spec: JobSpec, shards) -> bool:
