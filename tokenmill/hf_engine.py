@@ -69,10 +69,6 @@ class TransformersEngine:
 
         self.torch = torch
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cpu":
-            from tokenmill.memory import bound_cpu_heap
-
-            bound_cpu_heap()  # a shard's activations go back to the system, not into a growing heap
         self.dtype = _torch_dtype(torch, spec.model.dtype, self.device)
         self.mode = spec.mode
         tokenizer = load_tokenizer(model_path)

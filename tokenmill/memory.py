@@ -70,32 +70,3 @@ class PeakMemory:
     @property
     def peak_root_gib(self) -> float:
         return self.peak_root_bytes / 2**30
-
-
-# glibc's mallopt parameter for the size above which an allocation gets its own mapping
-M_MMAP_THRESHOLD = -3
-HEAP_MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def bound_cpu_heap() -> bool:
-    """Give large allocations (a CPU engine's activations) back to the system when freed.
-
-    glibc serves an allocation above its mmap threshold with a mapping of its own, unmapped on
-    free, but it raises that threshold to the size of every mapped block freed (up to 32 MiB).
-    After the first batches, a PyTorch forward pass's activations (tens of MiB for a batch of
-    long rows) come from the heap instead, and a heap fragmented by batches of ever-different
-    shapes is not given back: measured on the transformers engine on CPU (MiniLM, 250-row
-    shards), resident memory grew about 15 MiB per shard, and `malloc_trim` brought it back,
-    so it was freed memory the heap kept, not live data. A fixed threshold (which also ends the
-    adjustment) keeps it bounded: over 8 shards 745 -> 780 MiB resident, against 782 -> 888.
-    Process-wide; True when set (glibc), False elsewhere (other allocators behave otherwise).
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):
-        return False
