@@ -21,6 +21,7 @@ from tokenmill.bucketing import (
 from tokenmill.encoding import EncodedRows, encode_rows
 from tokenmill.engine_protocol import Engine, run_engine
 from tokenmill.engines import discard_engine, engine_died, get_engine
+from tokenmill.memory import release_freed_heap
 from tokenmill.models import resolve_model
 from tokenmill.outputs import OutputStore, build_output, rejects_table, structured_invalid_rows
 from tokenmill.prompts import prefix_order, prompt_inputs, read_columns, validate_job_rows
@@ -167,6 +168,8 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
         raise AssertionError(f"shard {shard.shard_id}: {rows_in} rows in, {output.num_rows} out, {len(rejects)} rejected")
     store.write_json(store.shard_record(shard.shard_id), result.model_dump())
     progress.emit("shard_done", shard_id=shard.shard_id, result=result)
+    del output, results, results_by_batch, encoded, table, valid
+    release_freed_heap()  # the shard's activations and tables: back to the system, not kept by the heap
     return result
 
 
