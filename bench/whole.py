@@ -178,9 +178,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="reuse the engine trials of an earlier run (the warm-ups then time no trial)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="with --keep-trials: no warm-up runs (the first-run column stays empty)")
+    parser.add_argument("--report", type=Path, default=None,
+                        help=f"where to write the report (default: {REPORT.relative_to(ROOT)}; with --quick, "
+                        f"{QUICK['report'].relative_to(ROOT)}), e.g. for a round of some jobs only")
     args = parser.parse_args(argv)
     rounds = QUICK["rounds"] if args.quick else args.rounds
-    report = QUICK["report"] if args.quick else REPORT
+    report = args.report or (QUICK["report"] if args.quick else REPORT)
     experiment = "tokenmill-bench-whole" + ("-quick" if args.quick else "")
     WORK.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENMILL_CACHE_DIR", str(WORK / "cache"))
