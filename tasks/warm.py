@@ -3,19 +3,26 @@
 Run as a command, a job pays for Prefect's ephemeral API (a server subprocess: 10 to 15 s on a
 small machine) and then for the engine (seconds for transformers, 30 to 50 s for vLLM on a
 CPU), one after the other. Neither needs the other, so the CLI spawns the API's process as
-soon as it has its arguments, before it imports Prefect (EphemeralApi adopts it), while the
-main thread imports the flow and starts the engine; the flow then finds both ready. vLLM starts in the main thread, where it
+soon as the job is parsed (EphemeralApi) while the main thread imports the flow and starts
+the engine; the flow then finds both ready. vLLM starts in the main thread, where it
 expects to be.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
+import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
+
+import prefect
 
 from tokenmill import timeline
 from tokenmill.spec import JobSpec
@@ -23,6 +30,9 @@ from tokenmill.spec import JobSpec
 log = logging.getLogger(__name__)
 
 
+# What Prefect's own ephemeral server process gets (prefect.server.api.server.SubprocessASGIServer,
+# Prefect 3.7): the API app, no UI, marked ephemeral.
+SERVER_ENVIRONMENT = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 PORT_IN_USE_EXIT = 3  # uvicorn's exit status when its port was taken after we chose it
 
 
@@ -31,29 +41,35 @@ class EphemeralApi(threading.Thread):
 
     Left to itself, Prefect starts the server at the flow's first API call: the CLI process first
     imports the server's own code (`prefect.server.api.server`, 4.4 s here) only to spawn a process
-    that imports it again. Here the process is spawned with the same command as soon as the CLI
-    has its arguments, before it imports Prefect (tokenmill.cli.spawn_api_server), and this thread
-    waits for its health check while the main thread imports the flow and starts the engine. Once it answers, PREFECT_API_URL points at it, so
+    that imports it again. Here the process is spawned as soon as the job is parsed, with the same
+    command and environment, and this thread waits for its health check while the main thread
+    imports the flow and starts the engine. Once it answers, PREFECT_API_URL points at it, so
     Prefect's client talks to it as to any server; it is stopped at exit like Prefect's, and dies
     with the CLI if the CLI is killed.
     """
 
-    def __init__(self, timeout: float, spawned: tuple[subprocess.Popen, int] | None = None):
+    def __init__(self, timeout: float):
         super().__init__(name="tokenmill-api-start", daemon=True)
         self.timeout = timeout
         self.error: str | None = None
         self.url: str | None = None
-        self.process, self.port = spawned or self._spawn()
+        self.process: subprocess.Popen | None = None
+        self._spawn()
         atexit.register(self.stop)  # registered before Prefect's log and event workers: they flush first
 
-    @staticmethod
-    def _spawn() -> tuple[subprocess.Popen, int]:
+    def _spawn(self) -> None:
         from prefect.settings import get_current_settings
 
-        from tokenmill.cli import spawn_api_server
-
-        # what Prefect passes its own server: the settings of this process, files and profile included
-        return spawn_api_server(get_current_settings().to_environment_variables(exclude_unset=True))
+        self.port = _free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent),
+             "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
+            env={**os.environ, **SERVER_ENVIRONMENT,
+                 **get_current_settings().to_environment_variables(exclude_unset=True)},
+            # tied to the spawning thread's life: only the main thread lives as long as the CLI
+            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
+        )
 
     def run(self) -> None:
         import httpx
@@ -63,7 +79,7 @@ class EphemeralApi(threading.Thread):
             while time.monotonic() < deadline:
                 status = self.process.poll()
                 if status == PORT_IN_USE_EXIT:
-                    self.process, self.port = self._spawn()
+                    self._spawn()
                     continue
                 if status is not None:
                     self.error = f"the server process exited with status {status}"
@@ -89,6 +105,20 @@ class EphemeralApi(threading.Thread):
             self.process.wait()
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the server process, before it runs: end it when the CLI dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def temporary_api_url() -> str | None:
     """The URL of the ephemeral API this process started, if it did: a server that ends with the
     process, not one someone runs (whose URLs are worth recording)."""
@@ -98,10 +128,9 @@ def temporary_api_url() -> str | None:
 TEMPORARY_API_VARIABLE = "TOKENMILL_TEMPORARY_PREFECT_API_URL"
 
 
-def start_api_in_background(spawned: tuple[subprocess.Popen, int] | None = None) -> EphemeralApi | None:
-    """Start Prefect's ephemeral API now, if this process would use one, or adopt the server process
-    the CLI spawned before it imported Prefect (stopped here if Prefect's settings say no API of
-    ours is wanted). Call finish_api_start before any Prefect API call."""
+def start_api_in_background() -> EphemeralApi | None:
+    """Start Prefect's ephemeral API now, if this process would use one. Call finish_api_start
+    before any Prefect API call."""
     from prefect.settings import (
         PREFECT_API_URL,
         PREFECT_SERVER_ALLOW_EPHEMERAL_MODE,
@@ -110,13 +139,9 @@ def start_api_in_background(spawned: tuple[subprocess.Popen, int] | None = None)
 
     timeline.mark("api_start")
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
-        if spawned:
-            from tokenmill.cli import _stop_process
-
-            _stop_process(spawned[0])
         return None
     try:
-        api = EphemeralApi(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()), spawned)
+        api = EphemeralApi(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
     except Exception as exc:  # noqa: BLE001 - Prefect starts its own at the flow's first call
         log.warning("starting Prefect's API ahead of the flow failed (%s); the flow starts it", exc)
         return None
@@ -160,7 +185,7 @@ def nothing_left_to_run(spec: JobSpec, shards) -> bool:
     return all((s.shard_id, s.fingerprint) in done for s in shards)
 
 
-def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
+def start_engine_early(spec: JobSpec, api: _ApiStart | None = None) -> None:
     """The engine this job will run on, started now (for `auto`, chosen now: cached trials cost
     a second, a first trial runs here). Only for a job that runs here without a gate (a gate may
     change the model). Failures are left for the flow to meet and report."""

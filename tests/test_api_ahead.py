@@ -1,8 +1,7 @@
 """`tokenmill run` starts Prefect's ephemeral API itself, ahead of the flow (tasks/warm.py).
 
-The API's process starts as soon as the CLI has its arguments, before it imports Prefect, so
-its start overlaps the CLI's own imports and the engine's start; Prefect's settings have the
-last word (a server spawned for a process that names an API is stopped). These check what a user relies on: the flow run is recorded
+The API's process starts as soon as the job is parsed, so its start overlaps the CLI's own
+imports and the engine's start. These check what a user relies on: the flow run is recorded
 by that API, the server ends with the command (also when the command is killed), and a
 temporary server's URL is never recorded as the run's Prefect link.
 """
@@ -91,44 +90,3 @@ def test_the_server_dies_with_a_killed_command(tmp_path, corpus):
     process.wait(timeout=30)
     wait_for(lambda: not server.is_running() or server.status() == psutil.STATUS_ZOMBIE, 30,
              "the server process ending after its CLI was killed")
-
-
-def test_whether_an_ephemeral_api_is_expected_is_read_from_the_environment_profiles_and_files(tmp_path, monkeypatch):
-    from tokenmill.cli import ephemeral_api_expected
-
-    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH", "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
-    monkeypatch.chdir(tmp_path)
-    assert ephemeral_api_expected()  # Prefect's default profile: ephemeral
-    monkeypatch.setenv("PREFECT_PROFILE", "local")  # Prefect's own profile with an API URL
-    assert not ephemeral_api_expected()
-    monkeypatch.delenv("PREFECT_PROFILE")
-    (tmp_path / "home").mkdir()
-    (tmp_path / "home" / "profiles.toml").write_text(
-        'active = "team"\n[profiles.team]\nPREFECT_API_URL = "http://prefect.internal:4200/api"\n')
-    assert not ephemeral_api_expected()  # the user's active profile names a server
-    (tmp_path / "home" / "profiles.toml").write_text('active = "team"\n[profiles.team]\nPREFECT_LOGGING_LEVEL = "INFO"\n')
-    assert ephemeral_api_expected()
-    monkeypatch.setenv("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "false")
-    assert not ephemeral_api_expected()
-    monkeypatch.delenv("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE")
-    (tmp_path / "pyproject.toml").write_text('[tool.prefect]\napi.url = "http://prefect.internal:4200/api"\n')
-    assert not ephemeral_api_expected()  # settings files in the working directory may say otherwise
-    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
-    assert ephemeral_api_expected()
-    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
-    assert not ephemeral_api_expected()
-
-
-def test_a_server_spawned_ahead_is_stopped_when_prefects_settings_name_an_api(tmp_path, monkeypatch):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from tokenmill.cli import spawn_api_server
-    from tokenmill.tasks.warm import start_api_in_background
-
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
-    spawned = spawn_api_server()
-    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):  # e.g. from a settings file
-        assert start_api_in_background(spawned) is None
-    assert spawned[0].poll() is not None  # stopped, not left to run beside the configured API

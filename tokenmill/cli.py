@@ -11,10 +11,8 @@
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,93 +40,6 @@ def apply_cli_environment() -> None:
     # an H100, end-to-end embedding went from 1.01x to 1.48-1.55x sentence-transformers with
     # parallel tokenization (bench/FINDINGS.md, GPU section).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if gpu_visible() else "false")
-
-
-# Prefect's ephemeral API server, as Prefect 3.7 starts it (prefect.server.api.server.SubprocessASGIServer):
-# the API app, no UI, marked ephemeral. `tokenmill run` spawns it before it imports Prefect (3 s here),
-# and tokenmill.tasks.warm adopts it once Prefect's settings confirm this process needs one.
-API_SERVER_ENVIRONMENT = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-TRUE_WORDS = ("1", "true", "t", "yes", "y", "on")
-
-
-def spawn_api_server(environment: dict[str, str] | None = None) -> tuple[Any, int]:
-    """Start Prefect's API server process on a free loopback port; it dies with this process (Linux)."""
-    import importlib.util
-    import socket
-    import subprocess
-
-    prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent  # found, not imported
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent),
-         "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "error", "--lifespan", "on"],
-        env={**os.environ, **API_SERVER_ENVIRONMENT, **(environment or {})},
-        # tied to the spawning thread's life: only the main thread lives as long as the CLI
-        # the hook only calls prctl (no locks), so it is safe beside the CLI's threads
-        preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,  # noqa: PLW1509
-    )
-    atexit.register(_stop_process, process)  # before Prefect's log and event workers register: they flush first
-    return process, port
-
-
-def _stop_process(process) -> None:
-    import subprocess
-
-    if process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def _die_with_parent() -> None:
-    """In the server process, before it runs: end it when the CLI dies, even by SIGKILL (Linux)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def ephemeral_api_expected() -> bool:
-    """Whether Prefect will want its ephemeral API here, judged without importing Prefect: no API
-    URL in the environment or the active profile, ephemeral mode allowed, and no Prefect settings in
-    the working directory's files (prefect.toml, pyproject.toml's [tool.prefect], .env) that could
-    say otherwise. A wrong
-    yes costs a server process that tokenmill.tasks.warm stops; a wrong no, the 3 s this saves."""
-    import tomllib
-
-    if os.environ.get("PREFECT_API_URL") or Path("prefect.toml").exists():
-        return False
-    try:
-        import importlib.util
-
-        if Path(".env").exists() and "PREFECT_" in Path(".env").read_text():
-            return False
-        if Path("pyproject.toml").exists() and "prefect" in tomllib.loads(Path("pyproject.toml").read_text()).get("tool", {}):
-            return False
-
-        defaults = tomllib.loads((Path(importlib.util.find_spec("prefect").origin).parent
-                                  / "settings" / "profiles.toml").read_text())
-        home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
-        user_file = Path(os.environ.get("PREFECT_PROFILES_PATH") or home / "profiles.toml").expanduser()
-        user = tomllib.loads(user_file.read_text()) if user_file.exists() else {}
-    except (OSError, ValueError, AttributeError, TypeError):
-        return False
-    active = os.environ.get("PREFECT_PROFILE") or user.get("active") or defaults.get("active") or "ephemeral"
-    profile = {**defaults.get("profiles", {}).get(active, {}), **user.get("profiles", {}).get(active, {})}
-    if profile.get("PREFECT_API_URL"):
-        return False
-    allowed = os.environ.get("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", profile.get("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "true"))
-    return str(allowed).strip().lower() in TRUE_WORDS
 
 
 def gpu_visible() -> bool:
@@ -264,12 +175,6 @@ def spec_from_args(args: argparse.Namespace):
 def cmd_run(args: argparse.Namespace) -> int:
     from tokenmill.spec import DEFAULT_INPUT
 
-    early_api = None
-    if not args.print_spec and ephemeral_api_expected():  # before Prefect's imports: they take 3 s here
-        from tokenmill import timeline
-
-        timeline.mark("api_start")
-        early_api = spawn_api_server()
     spec = spec_from_args(args)
     if args.print_spec:
         print(spec.to_yaml(), end="")
@@ -278,7 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tokenmill.tasks.warm import finish_api_start, start_api_in_background, start_engine_early
 
     timeline.mark("cli_ready")
-    api = start_api_in_background(early_api)  # the flow's imports and the engine's start overlap its start
+    api = start_api_in_background()  # its process starts now; the flow's imports and the engine's start overlap it
     if spec.input == DEFAULT_INPUT and not Path(DEFAULT_INPUT).exists():
         from tokenmill.sample_corpus import write_sample_corpus
 
