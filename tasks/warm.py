@@ -67,8 +67,9 @@ class EphemeralApi(threading.Thread):
              "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
             env={**os.environ, **SERVER_ENVIRONMENT,
                  **get_current_settings().to_environment_variables(exclude_unset=True)},
-            # tied to the spawning thread's life: only the main thread lives as long as the CLI
-            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
+            # tied to the spawning thread's life: only the main thread lives as long as the CLI; the hook
+            # only calls prctl (no locks), so it is safe beside the CLI's threads
+            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,  # noqa: PLW1509
         )
 
     def run(self) -> None:
@@ -185,7 +186,7 @@ def nothing_left_to_run(spec: JobSpec, shards) -> bool:
     return all((s.shard_id, s.fingerprint) in done for s in shards)
 
 
-def start_engine_early(spec: JobSpec, api: _ApiStart | None = None) -> None:
+def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
     """The engine this job will run on, started now (for `auto`, chosen now: cached trials cost
     a second, a first trial runs here). Only for a job that runs here without a gate (a gate may
     change the model). Failures are left for the flow to meet and report."""
