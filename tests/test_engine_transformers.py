@@ -7,7 +7,7 @@ import pytest
 from conftest import TEXTS, write_parquet
 from tokenmill.encoding import encode_rows
 from tokenmill.engines import get_engine
-from tokenmill.hf_engine import read_pooling
+from tokenmill.hf_engine import Pooling, read_pooling
 from tokenmill.models import resolve_model
 from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards
@@ -42,6 +42,25 @@ def test_embeddings_match_sentence_transformers_in_padded_batches(embed_spec_hf)
         cosine = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1))
         assert cosine.min() >= 0.999, cosine
     assert np.allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-5)
+
+
+def test_vectors_hold_only_themselves_not_the_hidden_state(embed_spec_hf):
+    """A shard keeps every batch's vectors until it is written. `cls` pooling is a view of the last
+    hidden state; the engine must hand back memory of rows x dim, not rows x tokens x dim."""
+    model_path = resolve_model("all-MiniLM-L6-v2")
+    engine = get_engine(model_path, embed_spec_hf)
+    encoded = encode_rows(TEXTS + [LONG_TEXT], embed_spec_hf, model_path)
+    saved = engine.pooling
+    try:
+        for pooling in (Pooling("cls", False), saved):
+            engine.pooling = pooling
+            vectors = engine.embed(encoded.token_ids)
+            for vector in vectors:
+                parent = vector.base if vector.base is not None else vector
+                # the batch's vectors and nothing else: a view into the hidden state strides over its tokens
+                assert parent.strides == (384 * 4, 4) and parent.shape == (len(vectors), 384), (pooling, parent.strides)
+    finally:
+        engine.pooling = saved
 
 
 def test_a_shard_runs_through_the_transformers_engine(tmp_path, embed_spec_hf):

@@ -97,6 +97,12 @@ class TransformersEngine:
         return input_ids.to(self.device), mask.to(self.device)
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        pooled = self._pooled(batch)  # the forward's activations are freed when _pooled returns
+        # The vectors live until the shard is written: a copy holds the vectors alone. Without it, `cls`
+        # pooling (a view, hidden[:, 0]) kept each batch's whole last hidden state (rows x tokens x dim).
+        return list(pooled.cpu().numpy().copy())
+
+    def _pooled(self, batch: Sequence[Sequence[int]]):
         torch = self.torch
         input_ids, mask = self._padded(batch, "right")
         with torch.inference_mode():
@@ -113,7 +119,7 @@ class TransformersEngine:
             pooled = pooled.float()
             if self.pooling.normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return list(pooled.cpu().numpy())
+        return pooled
 
     def generate(self, batch: Sequence[Sequence[int]], params: GenerationParams, overrides=None):
         """What Hugging Face `generate` has of vLLM's sampling: n (sampling only), stop strings and token
