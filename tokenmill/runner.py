@@ -21,7 +21,7 @@ from tokenmill.bucketing import (
 from tokenmill.encoding import EncodedRows, encode_rows
 from tokenmill.engine_protocol import Engine, run_engine
 from tokenmill.engines import discard_engine, engine_died, get_engine
-from tokenmill.memory import release_freed_heap
+from tokenmill.memory import HeapGuard, release_freed_heap
 from tokenmill.models import resolve_model
 from tokenmill.outputs import OutputStore, build_output, rejects_table, structured_invalid_rows
 from tokenmill.prompts import prefix_order, prompt_inputs, read_columns, validate_job_rows
@@ -179,12 +179,16 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
     batch, seconds in the engine)."""
     results_by_batch = []
     engine_seconds = 0.0
+    heap = HeapGuard()  # an in-process engine's freed activations, given back when they stop being reused
     for batch in batches:
+        heap.before_call()
         batch_ids = [token_ids[i] for i in batch]
         batch_started = time.perf_counter()
         results_by_batch.append(run_engine(engine, batch_ids, spec))
         engine_seconds += time.perf_counter() - batch_started
         progress.emit("rows_done", shard_id=shard_id, rows=len(batch))
+    if heap.trims:
+        log.debug("shard %s: heap trimmed %d times between engine calls", shard_id, heap.trims)
     return results_by_batch, engine_seconds
 
 
