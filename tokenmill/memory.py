@@ -81,9 +81,9 @@ def release_freed_heap() -> bool:
     resident, and a heap fragmented by batches of ever-different shapes grows shard by shard:
     measured on the transformers engine on CPU (MiniLM, 250-row shards), resident memory after
     each shard went 782 -> 888 MiB over 8 shards; with a trim after each, 730 -> 746 MiB (the
-    memory was free, not live). A fixed mmap threshold does the same per batch, and cost the
-    engine 13-25% in the whole-run bench (page faults on every batch); a trim per shard costs
-    milliseconds. True when trimmed (glibc), False elsewhere.
+    memory was free, not live). A fixed mmap threshold bounds it too, but cost the engine 13-25% in
+    the whole-run bench and 10-39% in a plain loop (1 to 16 MiB; page faults on every batch); a trim
+    costs milliseconds. True when trimmed (glibc), False elsewhere.
     """
     import ctypes
     import ctypes.util
@@ -115,7 +115,7 @@ class HeapGuard:
 
     After a call, glibc keeps the freed activations resident for the next call to reuse: that is the
     heap working, and giving it back before every call makes each call fault its memory in again
-    (measured once on `tokenmill run`, 6,000 documents: about +15% engine seconds). But inside a
+    (measured once on `tokenmill run`, 6,000 documents: 100 s of engine against 72-82 s). But inside a
     Prefect run, whose threads allocate between the calls, the freed blocks are not all reused: a
     1,000-row shard's resident memory climbed about 0.2-0.5 GiB through its batches, each shard's
     peak above the last's, so the job's peak grew with the corpus. So: the resident memory after the
