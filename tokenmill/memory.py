@@ -123,8 +123,8 @@ class HeapGuard:
     later call, if the process holds more than the floor plus `slack_bytes`, the heap is trimmed and
     the floor is measured again after the next call. The growth is bounded by the slack, and a heap
     that reuses its blocks is never trimmed. Measured (bench/FINDINGS.md, index section): per-shard
-    peaks 1.23-1.33 GiB over 6 shards against 1.29-1.52 GiB without it, 3-6 trims per shard, engine
-    seconds within the run-to-run noise. An engine in another process (vLLM) never grows this one, so
+    peaks 1.23-1.33 GiB over 6 shards against 1.26-1.61 GiB without it (two runs), 0-6 trims per
+    shard, engine seconds within the run-to-run noise. An engine in another process (vLLM) never grows this one, so
     it never trims.
     """
 
