@@ -3,6 +3,7 @@ resident memory of a process tree (vLLM's engine runs in a child process)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -85,15 +86,24 @@ def release_freed_heap() -> bool:
     the whole-run bench and 10-39% in a plain loop (1 to 16 MiB; page faults on every batch); a trim
     costs milliseconds. True when trimmed (glibc), False elsewhere.
     """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim():
+    """libc's malloc_trim, looked up once per process (find_library runs `ldconfig -p`, a fork of this
+    process); None where there is none."""
     import ctypes
     import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-        return True
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return False
+        return None
 
 
 # How far this process may grow between engine calls, over what it held after the first call since the
