@@ -134,23 +134,23 @@ class HeapGuard:
     the floor is measured again after the next call. The growth is bounded by the slack, and a heap
     that reuses its blocks is never trimmed. Measured (bench/FINDINGS.md, index section): per-shard
     peaks 1.23-1.33 GiB over 6 shards against 1.26-1.61 GiB without it (two runs), 0-6 trims per
-    shard, engine seconds within the run-to-run noise. An engine in another process (vLLM) never grows this one, so
-    it never trims.
+    shard, engine seconds within the run-to-run noise. An engine in another process (vLLM) never
+    grows this one, so it never trims.
     """
 
     def __init__(self, slack_bytes: int = HEAP_SLACK_BYTES):
         self.slack_bytes = slack_bytes
         self.floor: int | None = None
         self.trims = 0
-        self._calls = 0  # since the last trim
+        self._called = False  # a call has run: there is a heap to judge
 
     def before_call(self) -> None:
-        rss = resident_bytes() if self._calls else None  # before any call there is no heap to judge
-        if rss is not None:
-            if self.floor is None:
-                self.floor = rss
-            elif rss > self.floor + self.slack_bytes and release_freed_heap():
-                self.trims += 1
-                self.floor = None
-                self._calls = 0
-        self._calls += 1
+        rss = resident_bytes() if self._called else None  # before any call there is no heap to judge
+        self._called = True
+        if rss is None:
+            return
+        if self.floor is None:
+            self.floor = rss
+        elif rss > self.floor + self.slack_bytes and release_freed_heap():
+            self.trims += 1
+            self.floor = None  # measured after this call, the first since the trim
