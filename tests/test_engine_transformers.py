@@ -74,6 +74,83 @@ def test_a_shard_runs_through_the_transformers_engine(tmp_path, embed_spec_hf):
     assert len(table.column("embedding")[0]) == 384
 
 
+def test_two_streams_keep_batch_order_progress_and_vectors(embed_spec_hf, monkeypatch):
+    """On CPU the engine runs two batches at once (cpu_streams auto); run_batches must hand back every
+    batch's vectors in the batches' order, report every row once, and match one batch at a time."""
+    import threading
+
+    import torch
+
+    from tokenmill import progress
+    from tokenmill.bucketing import plan_batches, restore_order
+    from tokenmill.runner import run_batches
+
+    model_path = resolve_model("all-MiniLM-L6-v2")
+    texts = [f"{i} " + " ".join(["tokens"] * (1 + (i * 7) % 60)) for i in range(64)]
+    encoded = encode_rows(texts, embed_spec_hf, model_path)
+    lengths = [len(ids) for ids in encoded.token_ids]
+    batches = plan_batches(lengths, 256, 8, 0.1)  # many small batches of different lengths
+    engine = get_engine(model_path, embed_spec_hf)
+    cores = engine._torch_threads  # torch's threads before the engine split them
+    assert engine.streams == (2 if cores >= 2 else 1)
+    assert torch.get_num_threads() == max(1, cores // engine.streams)
+    calls = []
+    original = engine.embed
+
+    def recording(batch):
+        calls.append(threading.current_thread().name)
+        return original(batch)
+
+    monkeypatch.setattr(engine, "embed", recording)
+    events = []
+    unsubscribe = progress.subscribe(lambda event, data: events.append((event, data)))
+    try:
+        together, seconds = run_batches(engine, batches, encoded.token_ids, embed_spec_hf, "s1")
+        quiet, _ = run_batches(engine, batches, encoded.token_ids, embed_spec_hf, None)
+    finally:
+        unsubscribe()
+    one_at_a_time = [original([encoded.token_ids[i] for i in batch]) for batch in batches]
+    assert seconds > 0 and len(together) == len(batches)
+    for ours, alone in zip(restore_order(batches, together), restore_order(batches, one_at_a_time)):
+        assert np.allclose(ours, alone, atol=1e-5)
+    assert [np.stack(b).shape[0] for b in together] == [len(b) for b in batches]
+    rows = [data["rows"] for event, data in events if event == "rows_done"]
+    assert sum(rows) == len(texts) and all(data["shard_id"] == "s1" for _, data in events)  # quiet run: none
+    if engine.streams > 1:
+        assert len({name for name in calls if name.startswith("tokenmill-stream")}) == engine.streams
+
+
+def test_an_error_in_one_stream_reaches_the_caller(embed_spec_hf, monkeypatch):
+    from tokenmill.runner import run_batches
+
+    model_path = resolve_model("all-MiniLM-L6-v2")
+    engine = get_engine(model_path, embed_spec_hf)
+    encoded = encode_rows(TEXTS, embed_spec_hf, model_path)
+    original = engine.embed
+
+    def failing(batch):
+        if len(batch) == 1:
+            raise RuntimeError("engine fell over")
+        return original(batch)
+
+    monkeypatch.setattr(engine, "embed", failing)
+    batches = [[0, 1], [2], [3, 4]]
+    with pytest.raises(RuntimeError, match="engine fell over"):
+        run_batches(engine, batches, encoded.token_ids, embed_spec_hf, None)
+
+
+def test_cpu_streams_setting():
+    from tokenmill.hf_engine import cpu_streams
+
+    embed = JobSpec(mode="embed")
+    assert cpu_streams(embed, "cpu", 2) == 2 and cpu_streams(embed, "cpu", 16) == 2
+    assert cpu_streams(embed, "cpu", 1) == 1 and cpu_streams(embed, "cuda", 16) == 1
+    one = JobSpec(mode="embed", model=ModelSpec(cpu_streams=1))
+    four = JobSpec(mode="embed", model=ModelSpec(cpu_streams=4))
+    assert cpu_streams(one, "cpu", 8) == 1 and cpu_streams(four, "cpu", 8) == 4 and cpu_streams(four, "cpu", 2) == 2
+    assert cpu_streams(JobSpec(mode="generate"), "cpu", 8) == 1
+
+
 @pytest.mark.engine
 def test_generation_with_left_padding_is_greedy_and_deterministic():
     spec = JobSpec(mode="generate", model=ModelSpec(name="SmolLM2-135M-Instruct", engine="transformers"),

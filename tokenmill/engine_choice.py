@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 ENGINES = ("vllm", "transformers")
 TRIAL_ROWS = {"embed": 256, "generate": 16}
 TRIAL_MAX_TOKENS = 32  # generate: output tokens per trial row (at most the job's max_tokens)
-TRIAL_VERSION = 1  # bump when the trial's method changes: older cached figures are not comparable
+TRIAL_VERSION = 2  # bump when the trial's method changes: older cached figures are not comparable
 # engine_kwargs keys that both from_pretrained and vllm.LLM take
 SHARED_KWARGS = frozenset({"trust_remote_code", "revision", "code_revision", "tokenizer_revision"})
 
@@ -147,6 +147,7 @@ def trial_key(spec: JobSpec, model_path: str, device: str, mean_tokens: float) -
     identity = {"version": TRIAL_VERSION, "model": model_path, "mode": spec.mode, "device": device,
                 "dtype": model.dtype, "quantization": model.quantization, "engine_kwargs": model.engine_kwargs,
                 "max_input_tokens": model.max_input_tokens, "max_batch_size": spec.batching.max_batch_size,
+                "cpu_streams": model.cpu_streams,
                 "length_class": length_class(mean_tokens),
                 "max_tokens": min(spec.generation.max_tokens, TRIAL_MAX_TOKENS) if spec.mode == "generate" else None,
                 "versions": _versions()}
@@ -349,7 +350,7 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
     runner would, after one warm-up call; steady tokens/s over the timed calls."""
     from tokenmill.engine_protocol import run_engine
     from tokenmill.engines import get_engine
-    from tokenmill.runner import plan_feed
+    from tokenmill.runner import plan_feed, run_batches
 
     job = with_engine(spec, engine)
     if spec.mode == "generate":
@@ -364,14 +365,9 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         run_engine(instance, rows[-warm:], job)  # warm-up: first-call allocations, kernels; not timed again
         rows = rows[:-warm] or rows
         calls = plan_feed([len(r) for r in rows], job, engine)
-        tokens = produced = 0
-        timed = time.perf_counter()
-        for call in calls:
-            outputs = run_engine(instance, [rows[i] for i in call], job)
-            tokens += sum(len(rows[i]) for i in call)
-            if spec.mode == "generate":
-                produced += sum(g.output_tokens for g in outputs)
-        seconds = time.perf_counter() - timed
+        outputs, seconds = run_batches(instance, calls, rows, job, None)  # as the runner calls it (streams too)
+        tokens = sum(len(r) for r in rows)
+        produced = sum(g.output_tokens for call in outputs for g in call) if spec.mode == "generate" else 0
         tokens += produced
     except Exception as exc:  # noqa: BLE001 - an engine that cannot run here loses, with its reason
         log.warning("engine auto: %s failed its trial: %s", engine, exc)

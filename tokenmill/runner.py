@@ -5,8 +5,10 @@ Plain Python, so tests and other orchestrators can call it without Prefect.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import pyarrow as pa
 
@@ -174,21 +176,52 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
 
 
 def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[int]], spec: JobSpec,
-                shard_id: str) -> tuple[list, float]:
+                shard_id: str | None) -> tuple[list, float]:
     """Each batch through the engine, as cut (one engine call each; see plan_feed). Returns (results per
-    batch, seconds in the engine)."""
-    results_by_batch = []
-    engine_seconds = 0.0
+    batch, seconds in the engine). An engine with `streams` > 1 (transformers on CPU) gets that many calls
+    at once, from as many threads; results keep the batches' order either way. shard_id None: no progress
+    events (an engine trial's sample is not the job's rows)."""
+    streams = engine_streams(engine, spec)
     heap = HeapGuard()  # an in-process engine's freed activations, given back when they stop being reused
-    for batch in batches:
-        heap.before_call()
-        batch_ids = [token_ids[i] for i in batch]
-        batch_started = time.perf_counter()
-        results_by_batch.append(run_engine(engine, batch_ids, spec))
-        engine_seconds += time.perf_counter() - batch_started
-        progress.emit("rows_done", shard_id=shard_id, rows=len(batch))
+    results_by_batch: list = [None] * len(batches)
+    started = time.perf_counter()
+    if streams == 1:
+        engine_seconds = 0.0
+        for index, batch in enumerate(batches):
+            heap.before_call()
+            batch_started = time.perf_counter()
+            results_by_batch[index] = run_engine(engine, [token_ids[i] for i in batch], spec)
+            engine_seconds += time.perf_counter() - batch_started
+            if shard_id is not None:
+                progress.emit("rows_done", shard_id=shard_id, rows=len(batch))
+    else:
+        with ThreadPoolExecutor(streams, thread_name_prefix="tokenmill-stream") as pool:
+            running: dict[Future, int] = {}
+            queue = iter(enumerate(batches))
+            try:
+                while True:
+                    for index, batch in itertools.islice(queue, streams - len(running)):
+                        heap.before_call()
+                        running[pool.submit(run_engine, engine, [token_ids[i] for i in batch], spec)] = index
+                    if not running:
+                        break
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        index = running.pop(future)
+                        results_by_batch[index] = future.result()  # an engine's error is raised here, as is
+                        if shard_id is not None:
+                            progress.emit("rows_done", shard_id=shard_id, rows=len(batches[index]))
+            finally:
+                for future in running:
+                    future.cancel()
+        engine_seconds = time.perf_counter() - started  # the calls overlap: the section's wall time
     if heap.trims:
         log.debug("shard %s: heap trimmed %d times between engine calls", shard_id, heap.trims)
     return results_by_batch, engine_seconds
+
+
+def engine_streams(engine: Engine, spec: JobSpec) -> int:
+    """Calls the runner keeps in flight: the engine's `streams` when embedding, else one."""
+    return max(1, int(getattr(engine, "streams", 1))) if spec.mode == "embed" else 1
 
 
