@@ -71,7 +71,7 @@ def test_the_wheel_installs_tokenmill_flows_and_tasks_and_no_top_level_flows_or_
     assert {name.split("/")[0] for name in names} == {"tokenmill", info}, "nothing but tokenmill/ and its metadata"
     assert top_level == ["tokenmill"]
     assert "[console_scripts]" in entry_points
-    assert "tokenmill = tokenmill.cli:main" in entry_points.splitlines()
+    assert "tokenmill = tokenmill.cli:command" in entry_points.splitlines()
 
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",

@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -376,5 +378,31 @@ def main(argv: list[str] | None = None) -> int:
         close_engines()
 
 
+def command() -> None:
+    """The `tokenmill` command: main(), then the process ends as soon as its work is done.
+
+    A finished run has written and committed everything: outputs, manifest, MLflow run. What the
+    interpreter's own exit does next is tear down every module and object of a process that
+    holds torch, transformers, Prefect and MLflow: 2.7-3.1 s measured after a run, longer than
+    most of a short job's parts. So the command does what that exit does before its teardown, in
+    the same order (non-daemon threads joined and threading's exit hooks run: Prefect's log and
+    event workers flush there; then the atexit callbacks: the API server stopped, MLflow's run
+    ended, logging flushed), flushes stdout and stderr, and ends with the exit status. An error
+    that escapes main takes the ordinary path (traceback, status 1).
+    """
+    code = main()
+    shutdown = getattr(threading, "_shutdown", None)  # CPython's own first step of exiting
+    if shutdown is None:
+        sys.exit(code)
+    shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":  # vLLM spawns its engine process; keep this guard
-    sys.exit(main())
+    command()
