@@ -247,7 +247,7 @@ def embed_section(args, env, torch, device, minilm: Path, corpus: Path) -> dict:
     from tokenmill.encoding import encode_rows
     from tokenmill.engines import start_engine
     from tokenmill.models import model_input_limit
-    from tokenmill.runner import run_batches
+    from tokenmill.runner import run_batches, token_budget
     from tokenmill.spec import JobSpec, ModelSpec
 
     texts = read_texts(corpus, args.docs)
@@ -261,7 +261,7 @@ def embed_section(args, env, torch, device, minilm: Path, corpus: Path) -> dict:
     lengths = [len(t) for t in ids]
     tokens = sum(lengths)
     batching = first.batching
-    batches = plan_batches(lengths, batching.token_budget, batching.max_batch_size, batching.length_tolerance)
+    batches = plan_batches(lengths, token_budget(first), batching.max_batch_size, batching.length_tolerance)
     padding = padding_stats(lengths, batches).padding_fraction
     print(f"embed: {len(texts)} docs, {tokens:,} tokens; {len(batches)} buckets, padding {padding:.1%}", flush=True)
 
@@ -274,7 +274,7 @@ def embed_section(args, env, torch, device, minilm: Path, corpus: Path) -> dict:
         def go():
             enc = encode_rows(texts, job, str(minilm))
             lens = [len(t) for t in enc.token_ids]
-            plan = plan_batches(lens, job.batching.token_budget, job.batching.max_batch_size,
+            plan = plan_batches(lens, token_budget(job, engine), job.batching.max_batch_size,
                                 job.batching.length_tolerance)
             results, _ = run_batches(engine, plan, enc.token_ids, job, "gpu-bench")
             return restore_order(plan, results)
@@ -337,7 +337,7 @@ def embed_section(args, env, torch, device, minilm: Path, corpus: Path) -> dict:
     return {
         "docs": len(texts), "tokens": tokens, "input_limit": model_input_limit(str(minilm)),
         "buckets": len(batches), "padding_fraction": padding,
-        "token_budget": batching.token_budget, "max_batch_size": batching.max_batch_size,
+        "token_budget": token_budget(first), "max_batch_size": batching.max_batch_size,
         "length_tolerance": batching.length_tolerance, "dtypes": args.dtypes, "st_dtype": args.st_dtype,
         "repeats": args.repeats, "variants": rows, "best_st": st_best.name, "agreement_with_best_st": agreement,
         "flops": flops, "matmul_size": args.matmul_size, "matmul_dtype": matmul_dtype,

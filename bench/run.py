@@ -47,7 +47,7 @@ from tokenmill.engine_protocol import Engine  # noqa: E402
 from tokenmill.engines import VLLMEngine, close_engines, get_engine  # noqa: E402
 from tokenmill.memory import PeakMemory  # noqa: E402
 from tokenmill.models import resolve_model  # noqa: E402
-from tokenmill.runner import run_batches, run_shard  # noqa: E402
+from tokenmill.runner import run_batches, run_shard, token_budget  # noqa: E402
 from tokenmill.sample_corpus import write_sample_corpus  # noqa: E402
 from tokenmill.shards import ShardSpec, discover_shards  # noqa: E402
 from tokenmill.spec import JobSpec, ModelSpec  # noqa: E402
@@ -130,7 +130,7 @@ class EmbedCorpus:
     def batches(self, rows: int) -> list[list[int]]:
         """Our length buckets over the first `rows` documents."""
         batching = self.spec.batching
-        return plan_batches(self.lengths[:rows], batching.token_budget, batching.max_batch_size,
+        return plan_batches(self.lengths[:rows], token_budget(self.spec), batching.max_batch_size,
                             batching.length_tolerance)
 
 
@@ -268,7 +268,7 @@ class BucketsVsInputOrder(Comparison):
 def compare_buckets_vs_input_order(corpus: EmbedCorpus, hf: Engine, docs: int) -> BucketsVsInputOrder:
     rows = min(docs, len(corpus.token_ids))
     batching = corpus.spec.batching
-    input_order = input_order_batches(corpus.lengths[:rows], batching.token_budget, batching.max_batch_size)
+    input_order = input_order_batches(corpus.lengths[:rows], token_budget(corpus.spec), batching.max_batch_size)
     return BucketsVsInputOrder(
         bucketed=batches_variant("transformers, length buckets", corpus, rows, hf, corpus.hf_spec,
                                  corpus.batches(rows), show_padding=True),
@@ -358,7 +358,7 @@ def compare_vllm_vs_transformers_generate(prompts: list[str]) -> VllmVsTransform
     token_ids = encode_rows(prompts, spec, model_path).token_ids
     lengths = [len(ids) for ids in token_ids]
     batching = spec.batching
-    batches = plan_batches(lengths, batching.token_budget, batching.max_batch_size, batching.length_tolerance)
+    batches = plan_batches(lengths, token_budget(spec), batching.max_batch_size, batching.length_tolerance)
     output_tokens: dict[str, int] = {}
 
     def generate_with(job: JobSpec, engine_name: str) -> Callable[[], None]:

@@ -104,6 +104,17 @@ def test_auto_runs_trials_records_why_and_reuses_them(trial_cache, corpus, embed
         assert run.data.metrics[f"engine_trial/{engine}/tokens_per_s"] > 0
         assert run.data.metrics[f"engine_trial/{engine}/start_seconds"] > 0
     assert f"auto chose {chosen}" in first.summary
+    streams = {k for k in run.data.metrics if k.startswith("engine_trial/transformers/tokens_per_s_streams_")}
+    import torch
+
+    from tokenmill.hf_engine import _process_threads
+
+    if _process_threads(torch) >= 2:  # more than one core: transformers was timed at 2 and at 1
+        assert {k.rsplit("_", 1)[1] for k in streams} == {"1", "2"}
+    if chosen == "transformers":  # the streams it ran at are the record's, and the trial's choice
+        trial = next(t for t in next(iter(json.loads((trial_cache / "engine-trials.json").read_text()).values()))[
+            "trials"] if t["engine"] == "transformers")
+        assert run.data.params["engine_streams"] == str(trial["streams"])
     assert run.data.metrics["fixed_seconds"] > 0 and run.data.metrics["steady_tokens_per_s"] > 0
     cached = json.loads((trial_cache / "engine-trials.json").read_text())
     assert len(cached) == 1 and {t["engine"] for t in next(iter(cached.values()))["trials"]} == {"vllm", "transformers"}
@@ -173,3 +184,69 @@ def test_auto_keeps_the_shard_keys_of_jobs_that_never_named_an_engine(corpus):
 
 def with_engine_named(spec: JobSpec, engine: str) -> JobSpec:
     return spec.model_copy(update={"model": spec.model.model_copy(update={"engine": engine})})
+
+
+def test_the_trial_keeps_the_faster_number_of_streams(trial_cache, corpus, monkeypatch):
+    """transformers on CPU with cpu_streams auto is timed at two batches at once and at one; the faster
+    is kept, on the engine and in the trial. A delay on one setting decides which is faster."""
+    import time
+
+    import torch
+
+    from tokenmill.engines import discard_engine, get_engine
+
+    from tokenmill.hf_engine import _process_threads
+
+    if _process_threads(torch) < 2:
+        pytest.skip("one core: the engine runs one batch at a time")
+    spec = JobSpec(input=str(corpus), model={"engine": "transformers"})
+    model_path = resolve_model(spec.model_name)
+    rows = trial_rows(spec, model_path)
+    for slow, expected in ((2, 1), (1, 2)):
+        discard_engine(model_path, spec)
+        engine = get_engine(model_path, spec)
+        assert engine.streams == 2
+        original = engine.embed
+
+        def embed(batch, engine=engine, original=original, slow=slow):
+            if engine.streams == slow:
+                time.sleep(0.2)
+            return original(batch)
+
+        monkeypatch.setattr(engine, "embed", embed)
+        trial = engine_choice.run_trial(spec, "transformers", model_path, rows)
+        assert trial.error is None, trial.error
+        assert set(trial.tokens_per_s_by_streams) == {1, 2}
+        assert trial.streams == expected and engine.streams == expected
+        assert trial.tokens_per_s == pytest.approx(trial.tokens_per_s_by_streams[expected])
+    discard_engine(model_path, spec)
+    assert torch.get_num_threads() == _process_threads(torch)  # closing the engine gave torch its threads back
+
+
+def test_a_cached_trials_streams_reach_the_jobs_engine(trial_cache, corpus):
+    import torch
+
+    from tokenmill.engines import discard_engine, get_engine
+
+    from tokenmill.hf_engine import _process_threads
+
+    if _process_threads(torch) < 2:
+        pytest.skip("one core: the engine runs one batch at a time")
+    spec = JobSpec(input=str(corpus))
+    seed_trials(spec, [
+        dict(engine="vllm", start_seconds=100.0, tokens_per_s=10_000.0, rows=48, tokens=800, seconds=0.08),
+        dict(engine="transformers", start_seconds=1.0, tokens_per_s=1_000.0, rows=48, tokens=800, seconds=0.8,
+             streams=1, tokens_per_s_by_streams={2: 900.0, 1: 1_000.0}),
+    ])
+    choice = choose_engine(spec, job_rows=48)
+    assert choice.cached and choice.engine == "transformers" and "batches at once" not in choice.reason
+    assert choice.metrics()["engine_trial/transformers/tokens_per_s_streams_2"] == 900.0
+    resolved = engine_choice.resolve(spec)
+    assert (resolved.model.engine, resolved.model.cpu_streams) == ("transformers", 1)
+    model_path = resolve_model(spec.model_name)
+    try:
+        assert get_engine(model_path, spec).streams == 1  # auto, resolved through the cached trial
+        assert get_engine(model_path, spec.model_copy(update={"model": resolved.model.model_copy(
+            update={"cpu_streams": 2})})).streams == 2  # the same engine, set as the next job asks
+    finally:
+        discard_engine(model_path, resolved)

@@ -54,6 +54,8 @@ class EngineTrial(BaseModel):
     seconds: float
     error: str | None = None
     output_tokens: int = 0
+    streams: int = 1  # transformers on CPU: the batches at once that measured fastest (cpu_streams auto)
+    tokens_per_s_by_streams: dict[int, float] = {}
 
 
 class EngineChoice(BaseModel):
@@ -75,6 +77,8 @@ class EngineChoice(BaseModel):
             if t.error is None:
                 out[f"engine_trial/{t.engine}/tokens_per_s"] = t.tokens_per_s
                 out[f"engine_trial/{t.engine}/start_seconds"] = t.start_seconds
+                for streams, rate in t.tokens_per_s_by_streams.items():
+                    out[f"engine_trial/{t.engine}/tokens_per_s_streams_{streams}"] = rate
         return out
 
     def params(self) -> dict[str, str]:
@@ -204,11 +208,17 @@ def chosen_engine(spec: JobSpec) -> EngineChoice | None:
 
 
 def resolve(spec: JobSpec) -> JobSpec:
-    """The spec with a concrete engine: as written, or the one `auto` chose (choosing now if needed)."""
+    """The spec with a concrete engine: as written, or the one `auto` chose (choosing now if needed),
+    with the streams its trial found fastest where the spec leaves them to auto."""
     if spec.model.engine != "auto":
         return spec
     choice = chosen_engine(spec) or choose_engine(spec)
-    return with_engine(spec, choice.engine)
+    resolved = with_engine(spec, choice.engine)
+    trial = choice.trial(choice.engine)
+    if trial is not None and trial.tokens_per_s_by_streams and not spec.model.cpu_streams:
+        resolved = resolved.model_copy(update={"model": resolved.model.model_copy(
+            update={"cpu_streams": trial.streams})})
+    return resolved
 
 
 def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = False) -> EngineChoice:
@@ -321,8 +331,9 @@ def trial_rows(spec: JobSpec, model_path: str) -> list[list[int]]:
 
 def _reason(best: EngineTrial, good: list[EngineTrial], predicted: dict[str, float], job_tokens: float | None,
             cached: bool, why_not: list[str], device: str) -> str:
-    figures = ", ".join(f"{t.engine} {t.tokens_per_s:,.0f} tokens/s after a {t.start_seconds:.0f} s start"
-                        for t in good)
+    figures = ", ".join(f"{t.engine} {t.tokens_per_s:,.0f} tokens/s"
+                        + (f" at {t.streams} batches at once" if t.streams > 1 else "")
+                        + f" after a {t.start_seconds:.0f} s start" for t in good)
     source = "cached trial" if cached else "trial"
     if len(good) == 1:
         text = f"{best.engine}: the only engine that ran here ({figures}; {source} on {device})"
@@ -364,14 +375,30 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         warm = max(1, min(8, len(rows) // 4))
         run_engine(instance, rows[-warm:], job)  # warm-up: first-call allocations, kernels; not timed again
         rows = rows[:-warm] or rows
-        calls = plan_feed([len(r) for r in rows], job, engine)
-        outputs, seconds = run_batches(instance, calls, rows, job, None)  # as the runner calls it (streams too)
+        calls = plan_feed([len(r) for r in rows], job, engine, instance)
         tokens = sum(len(r) for r in rows)
-        produced = sum(g.output_tokens for call in outputs for g in call) if spec.mode == "generate" else 0
+        # transformers on CPU with streams left to auto: timed at its streams and at one, and kept at the
+        # faster: what two batches at once gain depends on the CPU
+        running = getattr(instance, "streams", 1)
+        candidates = [running, 1] if running > 1 and not spec.model.cpu_streams else [running]
+        by_streams: dict[int, float] = {}
+        fastest = None
+        for streams in candidates:
+            if len(candidates) > 1:
+                instance.set_streams(streams)
+            outputs, seconds = run_batches(instance, calls, rows, job, None)  # as the runner calls it
+            produced = sum(g.output_tokens for call in outputs for g in call) if spec.mode == "generate" else 0
+            by_streams[streams] = (tokens + produced) / seconds if seconds else 0.0
+            if fastest is None or by_streams[streams] > by_streams[fastest[0]]:
+                fastest = (streams, seconds, produced)
+        streams, seconds, produced = fastest
+        if len(candidates) > 1:
+            instance.set_streams(streams)
         tokens += produced
     except Exception as exc:  # noqa: BLE001 - an engine that cannot run here loses, with its reason
         log.warning("engine auto: %s failed its trial: %s", engine, exc)
         return EngineTrial(engine=engine, start_seconds=0, tokens_per_s=0, rows=0, tokens=0, seconds=0,
                            error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
     return EngineTrial(engine=engine, start_seconds=start_seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
-                       rows=len(rows), tokens=tokens, seconds=seconds, output_tokens=produced)
+                       rows=len(rows), tokens=tokens, seconds=seconds, output_tokens=produced, streams=streams,
+                       tokens_per_s_by_streams=by_streams if len(candidates) > 1 else {})

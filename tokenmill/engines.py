@@ -152,8 +152,9 @@ _engines_lock = threading.RLock()
 
 
 def engine_key(spec: JobSpec, model_path: str | None = None) -> tuple:
-    """What makes two jobs share one engine in a process."""
-    return (model_path or spec.model_name, spec.mode, spec.model.model_dump_json(), spec.batching.max_batch_size)
+    """What makes two jobs share one engine in a process (cpu_streams is set on a running engine)."""
+    return (model_path or spec.model_name, spec.mode, spec.model.model_dump_json(exclude={"cpu_streams"}),
+            spec.batching.max_batch_size)
 
 
 def get_engine(model_path: str, spec: JobSpec) -> Engine:
@@ -170,6 +171,8 @@ def get_engine(model_path: str, spec: JobSpec) -> Engine:
             timeline.mark("engine_start")
             engine = _engines[key] = start_engine(model_path, spec)
             timeline.mark("engine_ready")
+        elif hasattr(engine, "configure_streams"):  # one engine, jobs that ask for different streams
+            engine.configure_streams(spec)
         return engine
 
 
@@ -258,6 +261,19 @@ def engine_scope() -> Iterator[None]:
             outermost = _scope_depth == 0
         if outermost:
             close_engines()
+
+
+def running_streams(model_path: str, spec: JobSpec) -> int | None:
+    """Batches at once on the engine this process holds for the spec (None: no such engine open)."""
+    if spec.model.engine == "auto":
+        from tokenmill.engine_choice import chosen_engine, resolve
+
+        if chosen_engine(spec) is None:
+            return None
+        spec = resolve(spec)
+    with _engines_lock:
+        engine = _engines.get(engine_key(spec, model_path))
+    return None if engine is None else int(getattr(engine, "streams", 1))
 
 
 def describe_engine(spec: JobSpec | None = None) -> tuple[str, str]:

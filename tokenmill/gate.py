@@ -25,7 +25,7 @@ from tokenmill.engines import discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
 from tokenmill.generation import OutputChecker, check_response_format, parsed_agreement
 from tokenmill.models import resolve_model
-from tokenmill.runner import run_batches
+from tokenmill.runner import run_batches, token_budget
 from tokenmill.sampling import corpus_sample
 from tokenmill.spec import GateSpec, JobSpec, ModelSpec
 
@@ -142,9 +142,9 @@ def run_sample(job: JobSpec, texts: list[str], engine: Engine | None = None) -> 
     model_path = resolve_model(job.model_name)
     encoded = encode_rows(texts, job, model_path)
     lengths = [len(ids) for ids in encoded.token_ids]
-    batches = plan_batches(lengths, job.batching.token_budget, job.batching.max_batch_size,
-                           job.batching.length_tolerance)
     engine = engine or get_engine(model_path, job)
+    batches = plan_batches(lengths, token_budget(job, engine), job.batching.max_batch_size,
+                           job.batching.length_tolerance)
     started = time.perf_counter()
     results, _ = run_batches(engine, batches, encoded.token_ids, job, "gate")
     seconds = time.perf_counter() - started

@@ -12,6 +12,7 @@ avoid is padding this engine really computes.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tokenmill.spec import GenerationParams, JobSpec, transformers_unsupported
+from tokenmill.spec import CPU_TOKEN_BUDGET, GenerationParams, JobSpec, transformers_unsupported
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +81,25 @@ class TransformersEngine:
         self.model = loader.from_pretrained(model_path, dtype=self.dtype, **spec.model.engine_kwargs)
         self.model.to(self.device).eval()
         self.pooling = read_pooling(model_path) if spec.mode == "embed" else None
-        self._torch_threads = torch.get_num_threads()
-        self.streams = cpu_streams(spec, self.device.type, self._torch_threads)
-        if self.streams > 1:  # each stream's ops on its share of the cores (torch's thread count is per process)
-            torch.set_num_threads(max(1, self._torch_threads // self.streams))
-            log.info("transformers on CPU: %d batches at once, %d torch threads each", self.streams,
-                     torch.get_num_threads())
+        self._torch_threads = _process_threads(torch)
+        self.streams = 1
+        self.configure_streams(spec)
+        # the batch size a job leaves to the engine (tokenmill.runner.token_budget): embedding on a CPU, small
+        # batches, two at once (see CPU_TOKEN_BUDGET); generation and GPUs keep the general default
+        self.default_token_budget = CPU_TOKEN_BUDGET if self.device.type == "cpu" and spec.mode == "embed" else None
         self.start_seconds = time.perf_counter() - started
+
+    def configure_streams(self, spec: JobSpec) -> None:
+        """Run as many batches at once as the spec asks here (cpu_streams), each on its share of the
+        cores: torch's thread count is per process, so it is set here and put back by close()."""
+        self.set_streams(cpu_streams(spec, self.device.type, self._torch_threads))
+
+    def set_streams(self, streams: int) -> None:
+        changed, self.streams = streams != self.streams, streams
+        self.torch.set_num_threads(max(1, self._torch_threads // streams))  # again: another engine may have moved it
+        if changed:
+            log.info("transformers on %s: %d batch(es) at once, %d torch threads each", self.device, streams,
+                     self.torch.get_num_threads())
 
     def _padded(self, batch: Sequence[Sequence[int]], side: str):
         torch = self.torch
@@ -184,10 +197,15 @@ class TransformersEngine:
 
     def close(self) -> None:
         self.model = None
-        if self.streams > 1:
-            self.torch.set_num_threads(self._torch_threads)
+        self.set_streams(1)
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
+
+
+@functools.cache
+def _process_threads(torch) -> int:
+    """torch's threads for this process before any engine split them (another engine may have)."""
+    return torch.get_num_threads()
 
 
 def cpu_streams(spec: JobSpec, device_type: str, cores: int) -> int:

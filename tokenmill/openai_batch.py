@@ -701,10 +701,11 @@ def _run_requests(engine, spec: JobSpec, runnable, shard_id: str) -> tuple[list,
             progress.emit("rows_done", shard_id=shard_id, rows=len(chunk))
         return outputs, seconds
     from tokenmill.bucketing import plan_batches, restore_order
+    from tokenmill.runner import token_budget
 
     flat = [ids for _, token_ids, _ in runnable for ids in token_ids]
     batching = spec.batching
-    batches = plan_batches([len(ids) for ids in flat], batching.token_budget, batching.max_batch_size,
+    batches = plan_batches([len(ids) for ids in flat], token_budget(spec, engine), batching.max_batch_size,
                            batching.length_tolerance)
     by_batch = []
     for batch in batches:

@@ -29,7 +29,7 @@ from tokenmill.outputs import OutputStore, build_output, rejects_table, structur
 from tokenmill.prompts import prefix_order, prompt_inputs, read_columns, validate_job_rows
 from tokenmill.results import ShardResult
 from tokenmill.shards import ROW_NUMBER, ShardSpec, read_shard
-from tokenmill.spec import JobSpec
+from tokenmill.spec import DEFAULT_TOKEN_BUDGET, JobSpec
 from tokenmill.storage import describe_error
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,15 @@ def engine_pads(engine_name: str) -> bool:
     return engine_name not in UNPADDED_ENGINES
 
 
-def plan_feed(lengths: list[int], spec: JobSpec, engine_name: str) -> list[list[int]]:
-    """The engine calls for one shard's rows, as lists of row indices.
+def token_budget(spec: JobSpec, engine: Engine | None = None) -> int:
+    """batching.token_budget, or where the job leaves it empty, the engine's own (`default_token_budget`:
+    transformers on a CPU cuts smaller batches), else DEFAULT_TOKEN_BUDGET."""
+    return spec.batching.token_budget or getattr(engine, "default_token_budget", None) or DEFAULT_TOKEN_BUDGET
+
+
+def plan_feed(lengths: list[int], spec: JobSpec, engine_name: str, engine: Engine | None = None) -> list[list[int]]:
+    """The engine calls for one shard's rows, as lists of row indices (`engine`, when running, sets the
+    token budget the job leaves to it).
 
     An engine that pads gets length buckets (plan_batches). One that does not (vLLM) gets the rows in
     input order, FEED_CHUNK_ROWS at most per call, so its scheduler always has work: one call per shard
@@ -63,7 +70,7 @@ def plan_feed(lengths: list[int], spec: JobSpec, engine_name: str) -> list[list[
         return []
     if engine_pads(engine_name) or spec.mode not in WHOLE_FEED_MODES:
         batching = spec.batching
-        return plan_batches(lengths, batching.token_budget, batching.max_batch_size, batching.length_tolerance)
+        return plan_batches(lengths, token_budget(spec, engine), batching.max_batch_size, batching.length_tolerance)
     return fixed_batches(len(lengths), FEED_CHUNK_ROWS)
 
 
@@ -109,7 +116,7 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     if engine is None and lengths:
         engine = get_engine(model_path, spec)  # `auto` resolves here; how to feed depends on which engine
     engine_name = engine.name if engine is not None else spec.model.engine
-    batches = plan_feed(lengths, spec, engine_name)
+    batches = plan_feed(lengths, spec, engine_name, engine)
     if spec.mode == "generate" and not engine_pads(engine_name):
         order = prefix_order(encoded.token_ids)  # shared prompt prefixes adjacent, for the prefix cache
         batches = [[order[i] for i in batch] for batch in batches]

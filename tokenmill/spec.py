@@ -110,8 +110,9 @@ class ModelSpec(_Spec):
         0,
         ge=0,
         description="transformers engine embedding on CPU: batches run at once, each on its share of the "
-        "cores (torch threads = cores / streams). 0: auto, 2 where there are 2 or more cores (on 2 cores, "
-        "+16-19% documents/s over one batch on both cores, short to 256-token rows). 1: one batch at a time.",
+        "cores (torch threads = cores / streams), at most one per core. 0: auto, 2 where there are 2 or more "
+        "cores (on 2 cores, +16-19% documents/s over one batch on both cores, short to 256-token rows); with "
+        "engine auto, the engine trial times 2 and 1 and the job runs the faster. 1: one batch at a time.",
     )
 
     @field_validator("dtype", mode="before")
@@ -232,15 +233,24 @@ class GenerationParams(_Spec):
         return self
 
 
+DEFAULT_TOKEN_BUDGET = 16384
+# transformers on CPU, two batches at once (cpu_streams): measured on 2 cores (MiniLM, fp32, four interleaved
+# rounds, documents/s at 16,384 / 8,192 / 4,096 tokens a batch): 256-token rows 28.0 / 29.7 / 30.3, mixed
+# 142 / 147 / 149, short 366 / 369 / 355 (within the rounds' spread)
+CPU_TOKEN_BUDGET = 4096
+
+
 class BatchingSpec(_Spec):
     """How rows are grouped into shards and batches: the levers of throughput and padding."""
 
     model_config = ConfigDict(title="Batching")
 
-    token_budget: int = Field(
-        16384,
+    token_budget: int | None = Field(
+        None,
         ge=1,
-        description="Most padded token slots in one batch (rows x longest row).",
+        description="Most padded token slots in one batch (rows x longest row). Empty: the engine's own, "
+        f"{CPU_TOKEN_BUDGET:,} for transformers on a CPU (two batches at once there, each small enough to stay "
+        f"in cache), else {DEFAULT_TOKEN_BUDGET:,}.",
     )
     max_batch_size: int = Field(256, ge=1, description="Most rows in one batch (vLLM max_num_seqs).")
     length_tolerance: float = Field(

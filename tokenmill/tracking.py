@@ -105,7 +105,7 @@ def spec_params(spec: JobSpec, with_model: bool = True) -> dict[str, Any]:
         "text_column": spec.text_column,
         "output": spec.output,
         "overlong": spec.overlong,
-        "token_budget": spec.batching.token_budget,
+        "token_budget": spec.batching.token_budget or "engine's own",
         "max_batch_size": spec.batching.max_batch_size,
         "length_tolerance": spec.batching.length_tolerance,
         "max_shard_rows": spec.batching.max_shard_rows,
@@ -123,6 +123,7 @@ def spec_params(spec: JobSpec, with_model: bool = True) -> dict[str, Any]:
             "quantization": spec.model.quantization or "none",
             "max_input_tokens": spec.model.max_input_tokens or "model limit",
             "engine_kwargs": json.dumps(spec.model.engine_kwargs, sort_keys=True),
+            "cpu_streams": spec.model.cpu_streams or "auto",
         })
     if spec.mode == "generate":
         generation = spec.generation
