@@ -151,7 +151,7 @@ def trial_key(spec: JobSpec, model_path: str, device: str, mean_tokens: float) -
     identity = {"version": TRIAL_VERSION, "model": model_path, "mode": spec.mode, "device": device,
                 "dtype": model.dtype, "quantization": model.quantization, "engine_kwargs": model.engine_kwargs,
                 "max_input_tokens": model.max_input_tokens, "max_batch_size": spec.batching.max_batch_size,
-                "cpu_streams": model.cpu_streams,
+                "cpu_streams": model.cpu_streams, "token_budget": spec.batching.token_budget,
                 "length_class": length_class(mean_tokens),
                 "max_tokens": min(spec.generation.max_tokens, TRIAL_MAX_TOKENS) if spec.mode == "generate" else None,
                 "versions": _versions()}
