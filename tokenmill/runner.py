@@ -188,10 +188,9 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
     batch, seconds in the engine). An engine with `streams` > 1 (transformers on CPU) gets that many calls
     at once, from as many threads; results keep the batches' order either way. shard_id None: no progress
     events (an engine trial's sample is not the job's rows)."""
-    streams = engine_streams(engine, spec)
+    streams = max(1, int(getattr(engine, "streams", 1)))  # >1 only for transformers embedding on a CPU
     heap = HeapGuard()  # an in-process engine's freed activations, given back when they stop being reused
     results_by_batch: list = [None] * len(batches)
-    started = time.perf_counter()
     if streams == 1:
         engine_seconds = 0.0
         for index, batch in enumerate(batches):
@@ -202,6 +201,7 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
             if shard_id is not None:
                 progress.emit("rows_done", shard_id=shard_id, rows=len(batch))
     else:
+        started = time.perf_counter()
         with ThreadPoolExecutor(streams, thread_name_prefix="tokenmill-stream") as pool:
             running: dict[Future, int] = {}
             queue = iter(enumerate(batches))
@@ -225,10 +225,3 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
     if heap.trims:
         log.debug("shard %s: heap trimmed %d times between engine calls", shard_id, heap.trims)
     return results_by_batch, engine_seconds
-
-
-def engine_streams(engine: Engine, spec: JobSpec) -> int:
-    """Calls the runner keeps in flight: the engine's `streams` when embedding, else one."""
-    return max(1, int(getattr(engine, "streams", 1))) if spec.mode == "embed" else 1
-
-
