@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -50,6 +51,8 @@ class VLLMEngine:
         self.client_threads = [t for t in threading.enumerate()
                                if t not in before and t.name in VLLM_CLIENT_THREADS]
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.engine_processes = _engine_processes(self.llm)
+        self.engine_segments = _shared_memory_of(self.engine_processes)
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         outputs = self.llm.embed([{"prompt_token_ids": list(ids)} for ids in batch], use_tqdm=False)
@@ -94,6 +97,73 @@ class VLLMEngine:
                             ENGINE_THREAD_JOIN_SECONDS)
         del llm, client
         gc.collect()
+        _unlink_left_segments(self.engine_segments, self.engine_processes)
+        self.engine_processes, self.engine_segments = [], set()
+
+
+def _engine_processes(llm) -> list:
+    """The engine core processes behind an LLM (multiprocessing Process objects), or none."""
+    try:
+        return list(llm.llm_engine.engine_core.resources.engine_manager.processes)
+    except AttributeError:  # an in-process engine core, or another vLLM layout: nothing to clean
+        return []
+
+
+def _descendants(pid: int) -> list[int]:
+    """pid and every process under it (Linux /proc; [pid] alone where /proc has no children)."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as handle:
+                    queue.extend(int(child) for child in handle.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def _shared_memory_of(processes) -> set[str]:
+    """Names of the POSIX shared-memory segments (multiprocessing's psm_*) the engine's processes map.
+
+    vLLM's engine core creates a ring buffer for its workers (shm_broadcast) and unlinks it from the
+    buffer's finalizer. close() gives that process ENGINE_SHUTDOWN_SECONDS before it is killed, and
+    killed, it unlinks nothing: the segment stays in /dev/shm until multiprocessing's resource tracker
+    (shared with this process) finds it at exit and warns of "leaked shared_memory objects". Read
+    while the engine runs, these names let close() unlink what the dead engine left.
+    """
+    names: set[str] = set()
+    for process in processes:
+        for pid in _descendants(process.pid) if process.pid else []:
+            try:
+                with open(f"/proc/{pid}/maps") as handle:
+                    for line in handle:
+                        path = line.rstrip("\n").partition("/dev/shm/")[2]
+                        if path.startswith("psm_"):
+                            names.add(path.removesuffix(" (deleted)"))
+            except OSError:  # gone already, or no /proc here
+                continue
+    return names
+
+
+def _unlink_left_segments(names: set[str], processes) -> None:
+    """Unlink the segments a stopped engine left, and tell the resource tracker they are gone."""
+    if not names or any(process.is_alive() for process in processes):
+        return  # a live engine still uses them; it unlinks its own
+    from multiprocessing import resource_tracker, shared_memory
+
+    for name in sorted(names):
+        try:
+            segment = shared_memory.SharedMemory(name=name)  # registers it again with the tracker
+        except (FileNotFoundError, OSError):
+            continue  # its creator unlinked it
+        segment.close()
+        try:
+            segment.unlink()  # shm_unlink, then unregister: the tracker forgets it
+        except FileNotFoundError:
+            resource_tracker.unregister(segment._name, "shared_memory")
+        log.debug("Unlinked %s, left by the stopped vLLM engine", name)
 
 
 def vllm_generation(output) -> Generation:
