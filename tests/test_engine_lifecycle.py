@@ -171,3 +171,49 @@ def test_the_gate_never_holds_reference_and_candidate_engines_at_once(tmp_path, 
     assert len(open_engines()) == before + 1  # the candidate stays: it runs the corpus if it passed
     assert report.metrics
     engines.discard_engine(resolve_model(spec.model_name), spec)
+
+
+
+def _hold_segments(name_pipe, shared_name):
+    from multiprocessing import shared_memory
+    import time
+
+    own = shared_memory.SharedMemory(create=True, size=4096)  # as vLLM's engine core makes its ring buffer
+    shared = shared_memory.SharedMemory(name=shared_name)  # one the parent made and shares with it
+    name_pipe.send(own.name)
+    time.sleep(600)  # killed by the test long before
+    del own, shared
+
+
+def test_close_unlinks_what_a_killed_engine_process_left_and_spares_its_own(tmp_path):
+    """What VLLMEngine.close() does once vLLM's engine core is gone, on a real killed process: the
+    segment that process made is unlinked; one this process made and shared with it is left alone."""
+    import multiprocessing
+    from multiprocessing import shared_memory
+
+    from tokenmill.engines import _shared_memory_of, _unlink_left_segments
+
+    if not os.path.isdir("/dev/shm") or not os.path.exists(f"/proc/{os.getpid()}/maps"):
+        pytest.skip("needs Linux /proc and /dev/shm")
+    ours = shared_memory.SharedMemory(create=True, size=4096)
+    context = multiprocessing.get_context("spawn")  # as vLLM starts its engine core
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_hold_segments, args=(send, ours.name), daemon=True)
+    child.start()
+    try:
+        assert receive.poll(60), "the child never made its segment"
+        left = receive.recv()
+        found = _shared_memory_of([child])
+        assert found == {left}  # the child maps ours too: it is this process's, not the engine's
+        _unlink_left_segments(found, [child])  # still alive: it unlinks its own
+        assert os.path.exists(f"/dev/shm/{left}")
+        child.kill()
+        child.join(30)
+        _unlink_left_segments(found, [child])
+        assert not os.path.exists(f"/dev/shm/{left}")
+        assert os.path.exists(f"/dev/shm/{ours.name}")
+    finally:
+        if child.is_alive():
+            child.kill()
+        ours.close()
+        ours.unlink()

@@ -133,17 +133,22 @@ def _shared_memory_of(processes) -> set[str]:
     (shared with this process) finds it at exit and warns of "leaked shared_memory objects". Read
     while the engine runs, these names let close() unlink what the dead engine left.
     """
+    names = _mapped_segments(pid for process in processes if process.pid for pid in _descendants(process.pid))
+    return names - _mapped_segments([os.getpid()])  # this process's own (a segment it shares) stay its own
+
+
+def _mapped_segments(pids) -> set[str]:
+    """The psm_* segments these processes map, from /proc/<pid>/maps (none where there is no /proc)."""
     names: set[str] = set()
-    for process in processes:
-        for pid in _descendants(process.pid) if process.pid else []:
-            try:
-                with open(f"/proc/{pid}/maps") as handle:
-                    for line in handle:
-                        path = line.rstrip("\n").partition("/dev/shm/")[2]
-                        if path.startswith("psm_"):
-                            names.add(path.removesuffix(" (deleted)"))
-            except OSError:  # gone already, or no /proc here
-                continue
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as handle:
+                for line in handle:
+                    path = line.rstrip("\n").partition("/dev/shm/")[2]
+                    if path.startswith("psm_"):
+                        names.add(path.removesuffix(" (deleted)"))
+        except OSError:  # gone already, or no /proc here
+            continue
     return names
 
 
