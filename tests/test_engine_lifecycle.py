@@ -64,7 +64,7 @@ def test_the_flow_closes_its_vllm_engine_when_it_ends(tmp_path, corpus):
                 # vLLM names its processes (setproctitle): VLLM::EngineCore, VLLM::Worker
                 seen["children"] = [p.pid for p in psutil.Process().children(recursive=True)
                                     if "VLLM" in " ".join(p.cmdline()) + p.name()]
-                seen["segments"] = sorted(getattr(engine, "engine_segments", ()))
+                seen["segments"] = sorted(engine.leftovers.segments)
                 return engine
             engines.start_engine = start_and_note
             record = batch_flow(spec)
@@ -174,46 +174,65 @@ def test_the_gate_never_holds_reference_and_candidate_engines_at_once(tmp_path, 
 
 
 
-def _hold_segments(name_pipe, shared_name):
-    from multiprocessing import shared_memory
-    import time
 
-    own = shared_memory.SharedMemory(create=True, size=4096)  # as vLLM's engine core makes its ring buffer
-    shared = shared_memory.SharedMemory(name=shared_name)  # one the parent made and shares with it
-    name_pipe.send(own.name)
-    time.sleep(600)  # killed by the test long before
-    del own, shared
+LEFTOVERS_SCRIPT = """
+import multiprocessing, os, signal, sys, time
+from multiprocessing import shared_memory
+
+from tokenmill.engines import EngineLeftovers
 
 
-def test_close_unlinks_what_a_killed_engine_process_left_and_spares_its_own(tmp_path):
-    """What VLLMEngine.close() does once vLLM's engine core is gone, on a real killed process: the
-    segment that process made is unlinked; one this process made and shared with it is left alone."""
-    import multiprocessing
-    from multiprocessing import shared_memory
+def worker(pipe):  # as a vLLM worker: a segment of its own
+    segment = shared_memory.SharedMemory(create=True, size=4096)
+    pipe.send(segment.name)
+    time.sleep(600)
 
-    from tokenmill.engines import _shared_memory_of, _unlink_left_segments
 
-    if not os.path.isdir("/dev/shm") or not os.path.exists(f"/proc/{os.getpid()}/maps"):
-        pytest.skip("needs Linux /proc and /dev/shm")
+def core(pipe, shared_name):  # as vLLM's engine core: a segment of its own, a worker, and one it was given
+    segment = shared_memory.SharedMemory(create=True, size=4096)
+    given = shared_memory.SharedMemory(name=shared_name)
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    context.Process(target=worker, args=(send,), daemon=True).start()
+    pipe.send(segment.name)
+    pipe.send(receive.recv())
+    time.sleep(600)
+
+
+if __name__ == "__main__":
     ours = shared_memory.SharedMemory(create=True, size=4096)
     context = multiprocessing.get_context("spawn")  # as vLLM starts its engine core
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_hold_segments, args=(send, ours.name), daemon=True)
-    child.start()
+    engine = context.Process(target=core, args=(send, ours.name))
+    engine.start()
+    leftovers = EngineLeftovers([engine], {})
     try:
-        assert receive.poll(60), "the child never made its segment"
-        left = receive.recv()
-        found = _shared_memory_of([child])
-        assert found == {left}  # the child maps ours too: it is this process's, not the engine's
-        _unlink_left_segments(found, [child])  # still alive: it unlinks its own
-        assert os.path.exists(f"/dev/shm/{left}")
-        child.kill()
-        child.join(30)
-        _unlink_left_segments(found, [child])
-        assert not os.path.exists(f"/dev/shm/{left}")
-        assert os.path.exists(f"/dev/shm/{ours.name}")
+        made = {receive.recv(), receive.recv()}
+        leftovers.look_again()
+        assert leftovers.segments == made, (leftovers.segments, made)  # not ours, which the core maps too
+        assert len(leftovers.pids) == 2, leftovers.pids
     finally:
-        if child.is_alive():
-            child.kill()
-        ours.close()
-        ours.unlink()
+        for pid in leftovers.pids or [engine.pid]:  # vLLM's kill of its process tree: SIGKILL, and no wait
+            os.kill(pid, signal.SIGKILL)
+    leftovers.unlink()
+    left = sorted(name for name in made if os.path.exists("/dev/shm/" + name))
+    kept = os.path.exists("/dev/shm/" + ours.name)
+    ours.close()
+    ours.unlink()
+    print("RESULT", left, kept, flush=True)
+"""
+
+
+def test_close_unlinks_what_killed_engine_processes_left_and_spares_its_own(tmp_path):
+    """What VLLMEngine.close() does after vLLM kills its engine's process tree, on real killed processes
+    (a core and its worker, each with a segment): their segments are unlinked without a word from the
+    resource tracker at exit; one this process made and shared with the core stays."""
+    if not os.path.isdir("/dev/shm") or not os.path.exists(f"/proc/{os.getpid()}/maps"):
+        pytest.skip("needs Linux /proc and /dev/shm")
+    (tmp_path / "leftovers.py").write_text(LEFTOVERS_SCRIPT)
+    done = subprocess.run([sys.executable, "leftovers.py"], cwd=tmp_path, env=environment(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULT [] True" in done.stdout, done.stdout + done.stderr
+    # the tracker, at exit: "leaked shared_memory objects", or a traceback for a name it did not hold
+    assert "resource_tracker" not in done.stderr and "Traceback" not in done.stderr, done.stderr

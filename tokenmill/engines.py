@@ -51,8 +51,7 @@ class VLLMEngine:
         self.client_threads = [t for t in threading.enumerate()
                                if t not in before and t.name in VLLM_CLIENT_THREADS]
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self.engine_processes = _engine_processes(self.llm)
-        self.engine_segments = _shared_memory_of(self.engine_processes)
+        self.leftovers = EngineLeftovers.watch(self.llm)
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         outputs = self.llm.embed([{"prompt_token_ids": list(ids)} for ids in batch], use_tqdm=False)
@@ -83,6 +82,7 @@ class VLLMEngine:
         if llm is None:
             return
         client = llm.llm_engine.engine_core
+        self.leftovers.look_again()  # segments made since the start, while the engine's processes still run
         try:
             # vLLM waits 5 s by default for the engine process to end on SIGTERM, then kills it. On a CPU
             # its engine core rarely ends in time (measured here: every run waited the full 5 s), and it
@@ -97,16 +97,81 @@ class VLLMEngine:
                             ENGINE_THREAD_JOIN_SECONDS)
         del llm, client
         gc.collect()
-        _unlink_left_segments(self.engine_segments, self.engine_processes)
-        self.engine_processes, self.engine_segments = [], set()
+        self.leftovers.unlink()
 
 
-def _engine_processes(llm) -> list:
-    """The engine core processes behind an LLM (multiprocessing Process objects), or none."""
-    try:
-        return list(llm.llm_engine.engine_core.resources.engine_manager.processes)
-    except AttributeError:  # an in-process engine core, or another vLLM layout: nothing to clean
-        return []
+SEGMENT_WAIT_SECONDS = 10.0  # for killed engine processes to be gone before their segments are unlinked
+
+
+class EngineLeftovers:
+    """The shared-memory segments a vLLM engine's processes made, unlinked once those processes are gone.
+
+    vLLM's engine core makes a ring buffer for its workers (shm_broadcast), its workers one each for
+    their replies, and it unlinks them only from the buffers' finalizers. close() gives the engine core
+    ENGINE_SHUTDOWN_SECONDS after SIGTERM, then vLLM kills its process tree, and killed processes unlink
+    nothing: the segments stayed in /dev/shm until multiprocessing's resource tracker (which the
+    spawned engine processes share with this one) found them at exit and warned of "leaked
+    shared_memory objects" (4 runs in 5 here). Linux only (/proc); elsewhere it finds nothing.
+    """
+
+    def __init__(self, processes: list, pids: dict[int, str]):
+        self.processes = processes  # the engine core's multiprocessing.Process objects
+        self.pids = pids  # every process of the engine (the core and its descendants): pid -> start time
+        self.segments: set[str] = set()
+
+    @classmethod
+    def watch(cls, llm) -> "EngineLeftovers":
+        try:
+            processes = list(llm.llm_engine.engine_core.resources.engine_manager.processes)
+        except AttributeError:  # an in-process engine core, or another vLLM layout: nothing to clean
+            processes = []
+        leftovers = cls(processes, {})
+        leftovers.look_again()
+        return leftovers
+
+    def look_again(self) -> None:
+        """Note the engine's processes and the psm_* segments they map now, less this process's own."""
+        try:
+            for process in self.processes:
+                for pid in _descendants(process.pid) if process.pid else []:
+                    self.pids.setdefault(pid, _start_time(pid))
+            self.segments |= _mapped_segments(self.pids) - _mapped_segments([os.getpid()])
+        except Exception:  # noqa: BLE001 - a cleanup aid; it must never fail an engine
+            log.debug("Could not read the vLLM engine's shared memory", exc_info=True)
+
+    def unlink(self) -> None:
+        """Once every engine process is gone, unlink the segments they left and tell the tracker so."""
+        segments, self.segments = self.segments, set()
+        try:
+            if not segments:
+                return
+            if not self._gone(SEGMENT_WAIT_SECONDS):
+                log.debug("vLLM engine processes still running; left their segments to them: %s", segments)
+                return
+            from multiprocessing import resource_tracker
+
+            for name in sorted(segments):
+                try:
+                    os.unlink(f"/dev/shm/{name}")  # shm_unlink, without attaching (which would register it)
+                except FileNotFoundError:
+                    continue  # its maker unlinked it, and unregistered it
+                # Its maker registered it with the tracker (Python < 3.13 registers every segment) and,
+                # killed, never unregistered it: we do, so the tracker has nothing to warn about.
+                resource_tracker.unregister(f"/{name}", "shared_memory")
+                log.debug("Unlinked %s, left by the stopped vLLM engine", name)
+        except Exception:  # noqa: BLE001 - close() and close_engines() must go on to the next engine
+            log.debug("Could not unlink the vLLM engine's shared memory", exc_info=True)
+
+    def _gone(self, timeout: float) -> bool:
+        """Wait (bounded) for the engine's processes to end: exited, or zombies, or a new pid's holder."""
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        while True:
+            alive = [pid for pid, started in self.pids.items() if _running(pid, started)]
+            if not alive or time.monotonic() >= deadline:
+                return not alive
+            time.sleep(0.05)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -116,25 +181,35 @@ def _descendants(pid: int) -> list[int]:
         current = queue.pop()
         found.append(current)
         try:
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children") as handle:
-                    queue.extend(int(child) for child in handle.read().split())
+            tasks = os.listdir(f"/proc/{current}/task")
         except OSError:
             continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{current}/task/{task}/children") as handle:
+                    queue.extend(int(child) for child in handle.read().split())
+            except OSError:  # the thread ended
+                continue
     return found
 
 
-def _shared_memory_of(processes) -> set[str]:
-    """Names of the POSIX shared-memory segments (multiprocessing's psm_*) the engine's processes map.
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state first), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rpartition(")")[2].split()
+    except OSError:
+        return None
 
-    vLLM's engine core creates a ring buffer for its workers (shm_broadcast) and unlinks it from the
-    buffer's finalizer. close() gives that process ENGINE_SHUTDOWN_SECONDS before it is killed, and
-    killed, it unlinks nothing: the segment stays in /dev/shm until multiprocessing's resource tracker
-    (shared with this process) finds it at exit and warns of "leaked shared_memory objects". Read
-    while the engine runs, these names let close() unlink what the dead engine left.
-    """
-    names = _mapped_segments(pid for process in processes if process.pid for pid in _descendants(process.pid))
-    return names - _mapped_segments([os.getpid()])  # this process's own (a segment it shares) stay its own
+
+def _start_time(pid: int) -> str:
+    fields = _stat(pid)
+    return fields[19] if fields else ""  # field 22, starttime: tells the process from a later one with its pid
+
+
+def _running(pid: int, started: str) -> bool:
+    fields = _stat(pid)
+    return bool(fields) and fields[0] not in ("Z", "X") and fields[19] == started
 
 
 def _mapped_segments(pids) -> set[str]:
@@ -150,25 +225,6 @@ def _mapped_segments(pids) -> set[str]:
         except OSError:  # gone already, or no /proc here
             continue
     return names
-
-
-def _unlink_left_segments(names: set[str], processes) -> None:
-    """Unlink the segments a stopped engine left, and tell the resource tracker they are gone."""
-    if not names or any(process.is_alive() for process in processes):
-        return  # a live engine still uses them; it unlinks its own
-    from multiprocessing import resource_tracker, shared_memory
-
-    for name in sorted(names):
-        try:
-            segment = shared_memory.SharedMemory(name=name)  # registers it again with the tracker
-        except (FileNotFoundError, OSError):
-            continue  # its creator unlinked it
-        segment.close()
-        try:
-            segment.unlink()  # shm_unlink, then unregister: the tracker forgets it
-        except FileNotFoundError:
-            resource_tracker.unregister(segment._name, "shared_memory")
-        log.debug("Unlinked %s, left by the stopped vLLM engine", name)
 
 
 def vllm_generation(output) -> Generation:
