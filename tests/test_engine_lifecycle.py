@@ -173,10 +173,8 @@ def test_the_gate_never_holds_reference_and_candidate_engines_at_once(tmp_path, 
     engines.discard_engine(resolve_model(spec.model_name), spec)
 
 
-
-
 LEFTOVERS_SCRIPT = """
-import multiprocessing, os, signal, sys, time
+import multiprocessing, os, signal, time
 from multiprocessing import shared_memory
 
 from tokenmill.engines import EngineLeftovers

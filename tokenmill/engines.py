@@ -21,6 +21,7 @@ import numpy as np
 
 from tokenmill import timeline
 from tokenmill.engine_protocol import Engine, Generation
+from tokenmill.processes import ProcessIdentity, is_gone, process_stat
 from tokenmill.spec import GenerationParams, JobSpec
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,9 @@ class EngineLeftovers:
     shared_memory objects" (4 runs in 5 here). Linux only (/proc); elsewhere it finds nothing.
     """
 
-    def __init__(self, processes: list, pids: dict[int, str]):
+    def __init__(self, processes: list, pids: dict[int, ProcessIdentity]):
         self.processes = processes  # the engine core's multiprocessing.Process objects
-        self.pids = pids  # every process of the engine (the core and its descendants): pid -> start time
+        self.pids = pids  # every process of the engine (the core and its descendants), by pid
         self.segments: set[str] = set()
 
     @classmethod
@@ -132,9 +133,12 @@ class EngineLeftovers:
     def look_again(self) -> None:
         """Note the engine's processes and the psm_* segments they map now, less this process's own."""
         try:
+            here = ProcessIdentity.current()
             for process in self.processes:
                 for pid in _descendants(process.pid) if process.pid else []:
-                    self.pids.setdefault(pid, _start_time(pid))
+                    if pid not in self.pids:
+                        stat = process_stat(pid)
+                        self.pids[pid] = ProcessIdentity(here.host, here.pid_namespace, pid, stat[1] if stat else None)
             self.segments |= _mapped_segments(self.pids) - _mapped_segments([os.getpid()])
         except Exception:  # noqa: BLE001 - a cleanup aid; it must never fail an engine
             log.debug("Could not read the vLLM engine's shared memory", exc_info=True)
@@ -168,7 +172,7 @@ class EngineLeftovers:
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
         while True:
-            alive = [pid for pid, started in self.pids.items() if _running(pid, started)]
+            alive = [identity.pid for identity in self.pids.values() if not is_gone(identity)]
             if not alive or time.monotonic() >= deadline:
                 return not alive
             time.sleep(0.05)
@@ -191,25 +195,6 @@ def _descendants(pid: int) -> list[int]:
             except OSError:  # the thread ended
                 continue
     return found
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat's fields after the command name (state first), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def _start_time(pid: int) -> str:
-    fields = _stat(pid)
-    return fields[19] if fields else ""  # field 22, starttime: tells the process from a later one with its pid
-
-
-def _running(pid: int, started: str) -> bool:
-    fields = _stat(pid)
-    return bool(fields) and fields[0] not in ("Z", "X") and fields[19] == started
 
 
 def _mapped_segments(pids) -> set[str]:
