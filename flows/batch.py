@@ -11,7 +11,7 @@ from tokenmill import progress, timeline
 from tokenmill.engines import engine_scope
 from tokenmill.flows.fleet import dispatch_to_pool
 from tokenmill.flows.gate import GateFailed, gate_flow
-from tokenmill.gate import candidate_model
+from tokenmill.gate import chosen_model
 from tokenmill.results import ShardResult
 from tokenmill.shards import ShardSpec
 from tokenmill.tasks.engine import choose_engine_task
@@ -44,11 +44,10 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
             if gate_report.action == "fail":
                 log_gate_run(spec, gate_report)
                 raise GateFailed(gate_report.message())
-            chosen = candidate_model(spec) if gate_report.action == "candidate" else spec.gate.reference
             if gate_report.action == "reference":
-                logger.warning("the candidate failed the gate; running the corpus with the reference %s",
+                logger.warning("no candidate passed the gate; running the corpus with the reference %s",
                                gate_report.reference.model)
-            spec = spec.model_copy(update={"model": chosen})
+            spec = spec.model_copy(update={"model": chosen_model(spec, gate_report)})
         shards = discover_shards_task(spec)
         engine_choice = None
         if spec.model.engine == "auto" and spec.dispatch == "local":  # a fleet's workers choose on their GPUs

@@ -7,7 +7,7 @@ import pytest
 from conftest import TEXTS, write_parquet
 from tokenmill.encoding import encode_rows
 from tokenmill.engines import get_engine
-from tokenmill.hf_engine import Pooling, read_pooling
+from tokenmill.embedding import Pooling, read_pooling
 from tokenmill.models import resolve_model
 from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards
@@ -140,7 +140,7 @@ def test_an_error_in_one_stream_reaches_the_caller(embed_spec_hf, monkeypatch):
 
 
 def test_cpu_streams_setting():
-    from tokenmill.hf_engine import cpu_streams
+    from tokenmill.embedding import cpu_streams
 
     embed = JobSpec(mode="embed")
     assert cpu_streams(embed, "cpu", 2) == 2 and cpu_streams(embed, "cpu", 16) == 2

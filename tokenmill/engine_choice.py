@@ -33,11 +33,11 @@ from pydantic import BaseModel
 
 from tokenmill import timeline
 from tokenmill.digest import stable_digest
-from tokenmill.spec import JobSpec, transformers_unsupported
+from tokenmill.spec import ONNX_QUANTIZATIONS, JobSpec, transformers_unsupported
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("vllm", "transformers")
+ENGINES = ("vllm", "transformers")  # what auto compares: the same weights, the same precision
 TRIAL_ROWS = {"embed": 256, "generate": 16}
 TRIAL_MAX_TOKENS = 32  # generate: output tokens per trial row (at most the job's max_tokens)
 TRIAL_VERSION = 2  # bump when the trial's method changes: older cached figures are not comparable
@@ -104,6 +104,8 @@ def device_label() -> str:
 def runnable_engines(spec: JobSpec) -> tuple[list[str], list[str]]:
     """(engines that can run this job here, why each other one cannot)."""
     able, why_not = [], []
+    if spec.model.quantization in ONNX_QUANTIZATIONS:  # a quantized model that only this engine makes
+        return ["onnxruntime"], [f"vllm, transformers: quantization {spec.model.quantization!r} is onnxruntime's"]
     keys = set(spec.model.engine_kwargs)
     vllm_here = importlib.util.find_spec("vllm") is not None
     vllm_args = _vllm_arg_names() if (vllm_here and keys) else set()

@@ -299,6 +299,10 @@ def start_engine(model_path: str, spec: JobSpec) -> Engine:
         from tokenmill.hf_engine import TransformersEngine
 
         return TransformersEngine(model_path, spec)
+    if spec.model.engine == "onnxruntime":
+        from tokenmill.onnx_engine import OnnxEngine
+
+        return OnnxEngine(model_path, spec)
     return VLLMEngine(model_path, spec)
 
 
@@ -400,6 +404,8 @@ def describe_engine(spec: JobSpec | None = None) -> tuple[str, str]:
         choice = chosen_engine(spec)
         spec = spec.model_copy(update={"model": spec.model.model_copy(
             update={"engine": choice.engine if choice else "vllm"})})
+    if spec is not None and spec.model.engine == "onnxruntime":
+        return "onnxruntime", "cpu"
     if spec is not None and spec.model.engine == "transformers":
         import torch
 

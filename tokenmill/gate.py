@@ -60,29 +60,68 @@ class ModelCost(BaseModel):
     usd_per_1m_tokens: float
 
 
+class CandidateVerdict(BaseModel):
+    """One rung of the ladder: the candidate's cost on the sample, its metrics, and whether it passed."""
+    cost: ModelCost
+    metrics: list[GateMetric]
+    passed: bool
+
+    def failures(self) -> str:
+        return ", ".join(f"{m.name} {m.value:.4f} < {m.threshold:.4f}" for m in self.metrics if not m.passed)
+
+
 class GateReport(BaseModel):
     mode: str
     sample_rows: int
     sample_source: str
-    passed: bool
-    metrics: list[GateMetric]
+    passed: bool  # some candidate passed
+    metrics: list[GateMetric]  # the chosen candidate's (the first candidate's when none passed)
     reference: ModelCost
-    candidate: ModelCost
+    candidate: ModelCost  # the chosen candidate (the first when none passed)
     action: str  # "candidate" | "reference" | "fail"
+    candidates: list[CandidateVerdict] = []  # every rung, in the order the job lists them
+    chosen: int | None = None  # which rung runs the corpus (action "candidate")
+
+    @classmethod
+    def judge(cls, spec: JobSpec, source: str, sample_rows: int, reference: ModelCost,
+              verdicts: list[CandidateVerdict]) -> "GateReport":
+        """The cheapest candidate by measured $/1M among those that pass runs the corpus."""
+        passing = [i for i, v in enumerate(verdicts) if v.passed]
+        chosen = min(passing, key=lambda i: (verdicts[i].cost.usd_per_1m_tokens, i)) if passing else None
+        shown = verdicts[chosen if chosen is not None else 0]
+        action = "candidate" if passing else ("reference" if _gate(spec).on_fail == "use_reference" else "fail")
+        return cls(mode=spec.mode, sample_rows=sample_rows, sample_source=source, passed=bool(passing),
+                   metrics=shown.metrics, reference=reference, candidate=shown.cost, action=action,
+                   candidates=verdicts, chosen=chosen)
+
+    def saving(self) -> float:
+        """The share of the reference's $/1M tokens that the chosen model saves (negative: it costs more)."""
+        reference = self.reference.usd_per_1m_tokens
+        return 1 - self.candidate.usd_per_1m_tokens / reference if reference else 0.0
 
     def message(self) -> str:
+        rungs = self.candidates or [CandidateVerdict(cost=self.candidate, metrics=self.metrics, passed=self.passed)]
         lines = [f"eval gate {'passed' if self.passed else 'FAILED'} on {self.sample_rows} rows "
-                 f"({self.sample_source}), candidate {self.candidate.model} ({self.candidate.engine}) "
-                 f"against reference {self.reference.model} ({self.reference.engine}):"]
-        for m in self.metrics:
-            lines.append(f"  {m.name} = {m.value:.4f} {'>=' if m.passed else '<'} {m.threshold:.4f} "
-                         f"{'pass' if m.passed else 'FAIL'}")
-        saving = 1 - self.candidate.usd_per_1m_tokens / self.reference.usd_per_1m_tokens \
-            if self.reference.usd_per_1m_tokens else 0.0
-        verdict = f"the candidate saves {saving:.0%}" if saving >= 0 else f"the candidate costs {-saving:.0%} more"
-        lines.append(f"  throughput: candidate {self.candidate.tokens_per_s:,.0f} tokens/s "
-                     f"(${self.candidate.usd_per_1m_tokens:.4f}/1M), reference {self.reference.tokens_per_s:,.0f} "
-                     f"tokens/s (${self.reference.usd_per_1m_tokens:.4f}/1M): {verdict}")
+                 f"({self.sample_source}), {len(rungs)} candidate(s) against reference {self.reference.model} "
+                 f"({self.reference.engine}): {self.reference.tokens_per_s:,.0f} tokens/s "
+                 f"(${self.reference.usd_per_1m_tokens:.4f}/1M)"]
+        for index, rung in enumerate(rungs):
+            verdict = "pass" if rung.passed else "FAIL"
+            if index == self.chosen:
+                verdict += ", runs the corpus"
+            lines.append(f"candidate {rung.cost.model} ({rung.cost.engine}): {verdict}; "
+                         f"{rung.cost.tokens_per_s:,.0f} tokens/s (${rung.cost.usd_per_1m_tokens:.4f}/1M)")
+            for m in rung.metrics:
+                lines.append(f"  {m.name} = {m.value:.4f} {'>=' if m.passed else '<'} {m.threshold:.4f} "
+                             f"{'pass' if m.passed else 'FAIL'}")
+        if self.action == "candidate":
+            saving = self.saving()
+            lines.append(f"the corpus runs on {self.candidate.model} ({self.candidate.engine}): "
+                         + (f"it saves {saving:.0%} of the reference's $/1M" if saving >= 0
+                            else f"it costs {-saving:.0%} more than the reference"))
+        else:
+            lines.append("no candidate passed: " + ("the corpus runs on the reference" if self.action == "reference"
+                                                    else "the job stops (gate.on_fail: fail)"))
         return "\n".join(lines)
 
     def mlflow_metrics(self) -> dict[str, float]:
@@ -93,11 +132,36 @@ class GateReport(BaseModel):
         for role, cost in (("reference", self.reference), ("candidate", self.candidate)):
             values[f"gate_{role}_tokens_per_s"] = cost.tokens_per_s
             values[f"gate_{role}_usd_per_1m_tokens"] = cost.usd_per_1m_tokens
+        values["gate_usd_per_1m_saved_fraction"] = self.saving() if self.action == "candidate" else 0.0
+        for index, rung in enumerate(self.candidates):
+            values.update({f"gate_candidate{index}_{m.name}": m.value for m in rung.metrics})
+            values[f"gate_candidate{index}_passed"] = float(rung.passed)
+            values[f"gate_candidate{index}_tokens_per_s"] = rung.cost.tokens_per_s
+            values[f"gate_candidate{index}_usd_per_1m_tokens"] = rung.cost.usd_per_1m_tokens
+        return values
+
+    def params(self) -> dict[str, str]:
+        values = {"gate_reference": self.reference.model, "gate_reference_engine": self.reference.engine,
+                  "gate_candidate": self.candidate.model, "gate_candidate_engine": self.candidate.engine,
+                  "gate_sample": self.sample_source, "gate_action": self.action}
+        for index, rung in enumerate(self.candidates):
+            values[f"gate_candidate{index}"] = f"{rung.cost.model} ({rung.cost.engine})"
         return values
 
     def table(self) -> list[dict[str, Any]]:
-        return [{"metric": m.name, "value": round(m.value, 4), "threshold": m.threshold,
-                 "result": "pass" if m.passed else "FAIL"} for m in self.metrics]
+        """A row for the reference and one per candidate: what a person compares at a glance."""
+        rungs = self.candidates or [CandidateVerdict(cost=self.candidate, metrics=self.metrics, passed=self.passed)]
+        rows = [{"model": self.reference.model, "engine": self.reference.engine, "role": "reference",
+                 "tokens_per_s": round(self.reference.tokens_per_s), "usd_per_1m_tokens":
+                 round(self.reference.usd_per_1m_tokens, 4), **{m.name: "" for m in self.metrics}, "verdict": ""}]
+        for index, rung in enumerate(rungs):
+            verdict = ("pass, runs the corpus" if index == self.chosen else "pass") if rung.passed \
+                else f"FAIL ({rung.failures()})"
+            rows.append({"model": rung.cost.model, "engine": rung.cost.engine, "role": f"candidate {index + 1}",
+                         "tokens_per_s": round(rung.cost.tokens_per_s),
+                         "usd_per_1m_tokens": round(rung.cost.usd_per_1m_tokens, 4),
+                         **{m.name: round(m.value, 4) for m in rung.metrics}, "verdict": verdict})
+        return rows
 
 
 def thresholds_for(spec: JobSpec) -> dict[str, float]:
@@ -117,9 +181,24 @@ def job_for(spec: JobSpec, model: ModelSpec) -> JobSpec:
     return spec.model_copy(update={"model": model})
 
 
-def candidate_model(spec: JobSpec) -> ModelSpec:
+def candidate_models(spec: JobSpec) -> list[ModelSpec]:
+    """The ladder: gate.candidates, or gate.candidate, or else the job's own model."""
     gate = _gate(spec)
-    return gate.candidate if gate.candidate is not None else spec.model
+    if gate.candidates:
+        return list(gate.candidates)
+    return [gate.candidate if gate.candidate is not None else spec.model]
+
+
+def candidate_model(spec: JobSpec) -> ModelSpec:
+    """The first (or only) candidate."""
+    return candidate_models(spec)[0]
+
+
+def chosen_model(spec: JobSpec, report: GateReport) -> ModelSpec:
+    """The model the corpus runs on after the gate: the chosen candidate, or the reference."""
+    if report.action == "candidate" and report.chosen is not None:
+        return candidate_models(spec)[report.chosen]
+    return _gate(spec).reference
 
 
 def sample_texts(spec: JobSpec) -> tuple[list[str], str]:
@@ -139,12 +218,17 @@ class SampleRun:
 
 
 def run_sample(job: JobSpec, texts: list[str], engine: Engine | None = None) -> SampleRun:
+    """The sample through the job's engine, timed after one untimed warm-up call (first-call
+    allocations and kernel choices), as the engine trial times it: a rate the corpus will see."""
     model_path = resolve_model(job.model_name)
     encoded = encode_rows(texts, job, model_path)
     lengths = [len(ids) for ids in encoded.token_ids]
     engine = engine or get_engine(model_path, job)
     batches = plan_batches(lengths, token_budget(job, engine), job.batching.max_batch_size,
                            job.batching.length_tolerance)
+    if batches:
+        warm = batches[0][:WARM_UP_ROWS]
+        run_batches(engine, [list(range(len(warm)))], [encoded.token_ids[i] for i in warm], job, None)
     started = time.perf_counter()
     results, _ = run_batches(engine, batches, encoded.token_ids, job, "gate")
     seconds = time.perf_counter() - started
@@ -153,45 +237,54 @@ def run_sample(job: JobSpec, texts: list[str], engine: Engine | None = None) -> 
     return SampleRun(outputs, encoded.token_ids, seconds, tokens)
 
 
+WARM_UP_ROWS = 8
+
+
 def evaluate(spec: JobSpec, texts: list[str], source: str) -> GateReport:
+    """The reference, then each candidate, on the same sample. One engine at a time: on one GPU a
+    second model may not fit beside the first, so each engine is closed before the next starts
+    (unless they are one engine); the last candidate's stays open, to run the corpus if it is chosen."""
     gate = _gate(spec)
     thresholds = thresholds_for(spec)
-    reference_job = job_for(spec, gate.reference)
-    candidate_job = job_for(spec, candidate_model(spec))
-    if spec.mode == "generate":  # greedy, so exact match means something
-        greedy = spec.generation.model_copy(update={"temperature": 0.0, "max_tokens": gate.max_tokens, "n": 1,
-                                                    "logprobs": None, "min_tokens": 0})
-        reference_job = reference_job.model_copy(update={"generation": greedy})
-        candidate_job = candidate_job.model_copy(update={"generation": greedy})
-    same_engine = engine_key(reference_job) == engine_key(candidate_job)
+    jobs = [_gate_job(spec, model) for model in [gate.reference, *candidate_models(spec)]]
     # `engine: auto` is resolved just before each side runs (its trials start engines too), so the
     # report names the engine that ran
-    reference_job = resolve(reference_job)
+    reference_job = resolve(jobs[0])
     reference = run_sample(reference_job, texts)
-    # On one GPU the candidate may not fit beside the reference: the reference's engine goes
-    # before the candidate's starts (unless they are one engine). The candidate's stays: it
-    # is the engine that runs the corpus when the gate passes.
-    if not same_engine:
-        discard_engine(resolve_model(reference_job.model_name), reference_job)
-    candidate_job = resolve(candidate_job)
-    candidate = run_sample(candidate_job, texts)
+    previous, costs, verdicts = reference_job, [], []
+    for job in jobs[1:]:
+        if engine_key(previous) != engine_key(job):
+            discard_engine(resolve_model(previous.model_name), previous)
+        previous = resolve(job)
+        candidate = run_sample(previous, texts)
+        values = _agreement(spec, reference, candidate, resolve_model(reference_job.model_name))
+        metrics = [GateMetric(name=name, value=values[name], threshold=limit, passed=values[name] >= limit)
+                   for name, limit in thresholds.items()]
+        verdicts.append(CandidateVerdict(cost=_cost(previous, candidate, spec), metrics=metrics,
+                                         passed=all(m.passed for m in metrics)))
+    return GateReport.judge(spec, source, len(texts), _cost(reference_job, reference, spec), verdicts)
+
+
+def _gate_job(spec: JobSpec, model: ModelSpec) -> JobSpec:
+    """The job as one side of the gate runs it: generation greedy, so exact match means something."""
+    job = job_for(spec, model)
+    if spec.mode == "generate":
+        greedy = spec.generation.model_copy(update={"temperature": 0.0, "max_tokens": _gate(spec).max_tokens, "n": 1,
+                                                    "logprobs": None, "min_tokens": 0})
+        job = job.model_copy(update={"generation": greedy})
+    return job
+
+
+def _agreement(spec: JobSpec, reference: SampleRun, candidate: SampleRun, tokenizer_path: str) -> dict[str, float]:
     if spec.mode == "embed":
-        values = embedding_agreement(np.stack(reference.outputs), np.stack(candidate.outputs))
-    else:
-        values = generation_agreement(reference.outputs, candidate.outputs, resolve_model(reference_job.model_name))
-        if spec.generation.response_format is not None:
-            checker = OutputChecker(spec.generation.response_format)
-            values["parsed_agreement"] = parsed_agreement(
-                [checker.check(g.text).parsed for g in reference.outputs],
-                [checker.check(g.text).parsed for g in candidate.outputs])
-    metrics = [GateMetric(name=name, value=values[name], threshold=limit, passed=values[name] >= limit)
-               for name, limit in thresholds.items()]
-    passed = all(m.passed for m in metrics)
-    return GateReport(
-        mode=spec.mode, sample_rows=len(texts), sample_source=source, passed=passed, metrics=metrics,
-        reference=_cost(reference_job, reference, spec), candidate=_cost(candidate_job, candidate, spec),
-        action="candidate" if passed else ("reference" if gate.on_fail == "use_reference" else "fail"),
-    )
+        return embedding_agreement(np.stack(reference.outputs), np.stack(candidate.outputs))
+    values = generation_agreement(reference.outputs, candidate.outputs, tokenizer_path)
+    if spec.generation.response_format is not None:
+        checker = OutputChecker(spec.generation.response_format)
+        values["parsed_agreement"] = parsed_agreement(
+            [checker.check(g.text).parsed for g in reference.outputs],
+            [checker.check(g.text).parsed for g in candidate.outputs])
+    return values
 
 
 def embedding_agreement(reference: np.ndarray, candidate: np.ndarray, k: int = 10) -> dict[str, float]:
@@ -281,5 +374,6 @@ def _gate(spec: JobSpec) -> GateSpec:
     return spec.gate
 
 
-__all__ = ["GateReport", "evaluate", "sample_texts", "embedding_agreement", "generation_agreement",
-           "thresholds_for", "candidate_model", "job_for", "DEFAULT_THRESHOLDS"]
+__all__ = ["GateReport", "CandidateVerdict", "evaluate", "sample_texts", "embedding_agreement",
+           "generation_agreement", "thresholds_for", "candidate_model", "candidate_models", "chosen_model", "job_for",
+           "DEFAULT_THRESHOLDS"]

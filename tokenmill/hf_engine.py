@@ -16,46 +16,18 @@ import functools
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from tokenmill.embedding import cpu_streams, read_pooling
 from tokenmill.spec import CPU_TOKEN_BUDGET, GenerationParams, JobSpec, transformers_unsupported
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
-
-
-@dataclass(frozen=True)
-class Pooling:
-    mode: str  # mean | cls | max | lasttoken
-    normalize: bool
-
-
-def read_pooling(model_path: str) -> Pooling:
-    """The pooling and normalisation sentence-transformers would apply to this model."""
-    root = Path(model_path)
-    modules_file = root / "modules.json"
-    if not modules_file.exists():
-        return Pooling("mean", True)  # no sentence-transformers config: mean pooling, unit vectors
-    modules = json.loads(modules_file.read_text())
-    mode, normalize = "mean", False
-    for module in modules:
-        kind = module.get("type", "")
-        if kind.endswith("Pooling"):
-            config = json.loads((root / module.get("path", "") / "config.json").read_text())
-            for key, name in (("pooling_mode_cls_token", "cls"), ("pooling_mode_max_tokens", "max"),
-                              ("pooling_mode_lasttoken", "lasttoken"), ("pooling_mode_mean_tokens", "mean")):
-                if config.get(key):
-                    mode = name
-                    break
-        elif kind.endswith("Normalize"):
-            normalize = True
-    return Pooling(mode, normalize)
 
 
 class TransformersEngine:
@@ -206,21 +178,6 @@ class TransformersEngine:
 def _process_threads(torch) -> int:
     """torch's threads for this process before any engine split them (another engine may have)."""
     return torch.get_num_threads()
-
-
-def cpu_streams(spec: JobSpec, device_type: str, cores: int) -> int:
-    """Batches the engine runs at once (the runner keeps this many calls in flight: run_batches).
-
-    On CPU, one batch on all cores leaves them partly idle: the GEMMs split well across threads,
-    but the rest of a forward (attention, GELU, layer norm, copies: ~38% of MiniLM's time at 256
-    tokens) and the Python between ops do not. Two batches at once, each on half the cores, keep
-    them busy: measured on 2 cores (MiniLM, fp32), 26.2 -> 30.4 documents/s at 256 tokens, 48.6 ->
-    56.9 at 128, 222 -> 264 at 32. Embedding only (generate's decode loop is Python-bound per
-    token and unmeasured here); one stream on a GPU, which runs one kernel stream anyway.
-    """
-    if device_type != "cpu" or spec.mode != "embed" or cores < 2:
-        return 1
-    return min(spec.model.cpu_streams or 2, cores)
 
 
 def _torch_dtype(torch, dtype: str, device) -> "torch.dtype":

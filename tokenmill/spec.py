@@ -27,8 +27,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 # What the form offers: vLLM's common quantization methods. Any other name the installed vLLM
 # knows is accepted too (the list changes with every vLLM release; see _vllm_quantizations).
-QUANTIZATIONS = ("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "gguf",
-                 "modelopt", "modelopt_fp4", "mxfp4", "experts_int8", "torchao")
+# The ONNX Runtime engine's own methods (tokenmill.onnx_models.RECIPES says how each is made).
+ONNX_QUANTIZATIONS = ("int8", "int8-partial", "int4")
+QUANTIZATIONS = ONNX_QUANTIZATIONS + ("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors",
+                                      "bitsandbytes", "gguf", "modelopt", "modelopt_fp4", "mxfp4", "experts_int8",
+                                      "torchao")
 
 
 class _Spec(BaseModel):
@@ -77,12 +80,14 @@ class ModelSpec(_Spec):
         description="A local path, a Hugging Face name, or a built-in alias "
         f"({DEFAULT_EMBED_MODEL}, {DEFAULT_GENERATE_MODEL}). Empty: the default for the mode.",
     )
-    engine: Literal["auto", "vllm", "transformers"] = Field(
+    engine: Literal["auto", "vllm", "transformers", "onnxruntime"] = Field(
         "auto",
         description="auto: a short timed trial on the job's sample picks the engine that finishes the job "
-        "soonest here (cached per model, mode and device; the reason is in the run record). vllm: continuous "
+        "soonest here (cached per model, mode and device; the reason is in the run record); it never changes "
+        "the precision (a quantized candidate goes through the eval gate). vllm: continuous "
         "batching, the fast path for generation and large models. transformers: plain PyTorch with length "
-        "buckets, often faster for small encoders.",
+        "buckets, often faster for small encoders. onnxruntime: embedding models exported to ONNX once, "
+        "float32 or quantized (int8, int8-partial, int4): the cheap tier on CPU.",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
@@ -91,7 +96,9 @@ class ModelSpec(_Spec):
     )
     quantization: str | None = Field(
         None,
-        description="vLLM quantization method: 'fp8' quantizes a 16-bit model's weights when it loads; awq, gptq, "
+        description="onnxruntime engine: int8 (dynamic int8, weights per channel), int8-partial (the same, FFN "
+        "output projections kept in float32), int4 (4-bit weight blocks); the quantized model is made once per "
+        "machine and cached. vLLM: 'fp8' quantizes a 16-bit model's weights when it loads (GPU); awq, gptq, "
         "compressed-tensors, ... read a checkpoint quantized that way. Empty: the weights as stored.",
         json_schema_extra=_quantization_form,
     )
@@ -139,6 +146,17 @@ class ModelSpec(_Spec):
             raise ValueError(f"unknown quantization {value!r}; known: {', '.join(QUANTIZATIONS)}, "
                              "or any other method the installed vLLM lists")
         return name
+
+    @model_validator(mode="after")
+    def _quantization_fits_engine(self) -> "ModelSpec":
+        onnx_method = self.quantization in ONNX_QUANTIZATIONS
+        if self.engine == "onnxruntime" and self.quantization is not None and not onnx_method:
+            raise ValueError(f"quantization {self.quantization!r} is vLLM's; the onnxruntime engine makes "
+                             f"{', '.join(ONNX_QUANTIZATIONS)}")
+        if onnx_method and self.engine not in ("onnxruntime", "auto"):
+            raise ValueError(f"quantization {self.quantization!r} is made by the onnxruntime engine; "
+                             f"set engine: onnxruntime (or auto), not {self.engine}")
+        return self
 
 
 class ChatMessage(_Spec):
@@ -310,8 +328,13 @@ class GateSpec(_Spec):
     reference: ModelSpec = Field(description="The model whose outputs count as right.",
                                  json_schema_extra={"title": "Reference model"})
     candidate: ModelSpec | None = Field(
-        None, title="Candidate model", description="The cheaper model (quantized, other dtype, smaller, other engine). "
-        "Empty: the job's own model.")
+        None, title="Candidate model", description="One cheaper model (quantized, other dtype, smaller, other engine): "
+        "a ladder of one. Empty: the candidates below, or else the job's own model.")
+    candidates: list[ModelSpec] = Field(
+        default_factory=list, title="Candidate models",
+        description="A ladder of cheaper models (e.g. onnxruntime int8, int8-partial): each is judged against the "
+        "reference on the same sample, and the corpus runs on the cheapest by measured $/1M tokens among those "
+        "that pass. The record shows every candidate's metrics, $/1M and verdict.")
     sample_rows: int = Field(256, ge=2, description="Rows in the deterministic sample (chosen by a hash of the id).")
     sample_seed: int = Field(0, description="Changes which rows the hash picks.")
     eval_file: str | None = Field(None, description="Evaluate on this file's rows instead of a corpus sample.")
@@ -322,6 +345,12 @@ class GateSpec(_Spec):
         "generate: exact_match, prefix_agreement, similarity_mean.")
     on_fail: Literal["fail", "use_reference"] = Field(
         "fail", description="fail: the flow ends Failed. use_reference: the corpus runs with the reference.")
+
+    @model_validator(mode="after")
+    def _one_way_to_name_candidates(self) -> "GateSpec":
+        if self.candidate is not None and self.candidates:
+            raise ValueError("gate: give candidate (one model) or candidates (a ladder), not both")
+        return self
 
 
 class IndexSpec(_Spec):
@@ -460,6 +489,10 @@ class JobSpec(_Spec):
 
     @model_validator(mode="after")
     def _engine_supports_generation(self) -> JobSpec:
+        if self.mode == "generate" and (self.model.engine == "onnxruntime"
+                                        or self.model.quantization in ONNX_QUANTIZATIONS):
+            raise ValueError("the onnxruntime engine (and its int8/int4 models) embeds; generation runs on "
+                             "model.engine vllm or transformers")
         if self.mode == "generate" and self.model.engine == "transformers":
             unsupported = transformers_unsupported(self.generation)
             if unsupported:

@@ -365,7 +365,7 @@ def log_run(spec: JobSpec, params: dict[str, Any], metrics: dict[str, float], re
     client = tracking_client(spec)
     run_id = run_id or open_job_run(spec, {})
     if gate_report is not None:
-        params = {**params, **gate_params(gate_report)}
+        params = {**params, **gate_report.params()}
         metrics = {**metrics, **gate_report.mlflow_metrics()}
     now = int(time.time() * 1000)
     for chunk in _chunks([Param(k, _param_value(v)) for k, v in params.items()], 100):
@@ -627,11 +627,5 @@ def log_stage_run(spec: JobSpec, stage: str, metrics: dict[str, float], params: 
 
 def log_gate_run(spec: JobSpec, report) -> str:
     """An MLflow run holding only the gate's figures: a gate run alone, or a job the gate stopped."""
-    return log_stage_run(spec, "gate", report.mlflow_metrics(), gate_params(report),
+    return log_stage_run(spec, "gate", report.mlflow_metrics(), report.params(),
                          run_name=spec.tracking.run_name or "gate", texts={"gate.txt": report.message()})
-
-
-def gate_params(report) -> dict[str, Any]:
-    return {"gate_reference": report.reference.model, "gate_reference_engine": report.reference.engine,
-            "gate_candidate": report.candidate.model, "gate_candidate_engine": report.candidate.engine,
-            "gate_sample": report.sample_source, "gate_action": report.action}
