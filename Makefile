@@ -37,7 +37,7 @@ endif
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/tokenmill run
+	$(BIN)/tokenmill run --config jobs/demo.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

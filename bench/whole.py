@@ -70,6 +70,8 @@ class Variant:
     kind: str  # tokenmill | script
     runs: list[Run] = field(default_factory=list)
     warmup: Run | None = None
+    env: dict[str, str] = field(default_factory=dict)  # over the bench's own (ENV)
+    fresh: tuple[Path, ...] = ()  # emptied before each run: caches a first run on a machine lacks
 
     def median_wall(self) -> float:
         return statistics.median(r.wall for r in self.runs)
@@ -86,7 +88,9 @@ def tracking_db() -> Path:
 def run_once(variant: Variant, experiment: str) -> Run:
     if variant.output.exists():
         shutil.rmtree(variant.output) if variant.output.is_dir() else variant.output.unlink()
-    env = {**os.environ, **ENV}
+    for folder in variant.fresh:
+        shutil.rmtree(folder, ignore_errors=True)
+    env = {**os.environ, **ENV, **variant.env}
     started = time.perf_counter()
     done = subprocess.run(variant.command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - started

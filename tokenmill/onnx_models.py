@@ -27,12 +27,12 @@ import logging
 import os
 import shutil
 import time
-from importlib import metadata
 from pathlib import Path
 
 from tokenmill.digest import stable_digest
 from tokenmill.errors import ConfigError
 from tokenmill.models import models_home
+from tokenmill.versions import library_versions
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ def onnx_model(model_path: str, quantization: str | None = None, label: str | No
     if not (source / "config.json").exists():
         raise ConfigError(f"{model_path}: the ONNX Runtime engine exports a local Hugging Face model directory "
                           "(config.json and weights); this is not one")
-    identity = {"weights": weights_digest(str(source)), "opset": OPSET, "versions": _versions()}
+    identity = {"weights": weights_digest(str(source)), "opset": OPSET,
+                "versions": library_versions(("torch", "transformers", "onnxruntime"))}
     exported = _cached(f"{label}.fp32", identity, lambda target: _export(source, target))
     if quantization is None:
         return exported
@@ -105,16 +106,6 @@ def weights_digest(model_path: str) -> str:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()[:16]
-
-
-def _versions() -> dict[str, str | None]:
-    found = {}
-    for name in ("torch", "transformers", "onnxruntime"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
 
 
 def _cached(name: str, identity: dict, make) -> Path:
