@@ -11,8 +11,9 @@ Whole processes, spawn to exit, interleaved rounds, medians; per corpus shape (b
   fight vLLM's): what an informed user writes instead;
 - `tokenmill run --config jobs/demo.yaml` (the gate ladder: float32 reference, int8 and int8-partial
   candidates), warm: the gate's verdict and the quantized models already on this machine;
-- the same, first run of this corpus: no gate verdict, no quantized model, no engine trial cached
-  (the model files are made again, as on a new machine).
+- the same, first run of this corpus on this machine: no gate verdict and no engine trial cached for it
+  (the quantized models were made once on this machine before, as `make run` makes them; what making
+  them costs once is reported apart, from their made.json).
 
 Quality: each output's cosine to the float32 script's vectors, row by row over the whole corpus, and the
 gate's own metrics on its sample. $/1M per candidate comes from the run's MLflow record.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import statistics
 import subprocess
@@ -50,8 +52,9 @@ def st_onnx_python() -> Path:
         pip = [str(python), "-m", "pip", "install", "--quiet"]
         subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU build, found locally as for tokenmill
         subprocess.run([*pip, "sentence-transformers[onnx]", "pyarrow"], check=True)  # its own pins for optimum
+        # CUDA builds that break transformers on CPU torch; datasets' hub pin fights optimum-onnx's
         subprocess.run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", "torchvision", "torchaudio",
-                        "torchcodec"], check=False)
+                        "torchcodec", "datasets"], check=False)
     return python
 
 
@@ -62,7 +65,8 @@ def build(quick: bool) -> dict[str, list[Variant]]:
     st_model = WORK / "st-onnx-model"
     subprocess.run([str(python), "bench/baselines/st_onnx_export.py", str(get_model_path()), str(st_model)],
                    cwd=ROOT, check=True, capture_output=True)
-    warm_home, cold_home = WORK / "home-warm", WORK / "home-cold"
+    home = WORK / "home"
+    warm, cold = {"TOKENMILL_HOME": str(home), "TOKENMILL_CACHE_DIR": str(home / "cache")}, WORK / "cache-cold"
     jobs = {}
     for shape, rows in (QUICK_ROWS if quick else ROWS).items():
         source = corpora.write(shape, rows, WORK / "corpora" / shape)
@@ -76,13 +80,10 @@ def build(quick: bool) -> dict[str, list[Variant]]:
                                                         str(out / "st-int8.parquet"), str(st_model)],
                     out / "st-int8.parquet", "script"),
             Variant("tokenmill demo job, warm", tokenmill_command(source.parent, out / "tm", EXPERIMENT, *demo),
-                    out / "tm", "tokenmill", env={"TOKENMILL_HOME": str(warm_home),
-                                                  "TOKENMILL_CACHE_DIR": str(warm_home / "cache")}),
+                    out / "tm", "tokenmill", env=warm),
             Variant("tokenmill demo job, first run", tokenmill_command(source.parent, out / "tm-first", EXPERIMENT,
                                                                        *demo),
-                    out / "tm-first", "tokenmill", env={"TOKENMILL_HOME": str(cold_home),
-                                                        "TOKENMILL_CACHE_DIR": str(cold_home / "cache")},
-                    fresh=(cold_home,)),
+                    out / "tm-first", "tokenmill", env={**warm, "TOKENMILL_CACHE_DIR": str(cold)}, fresh=(cold,)),
         ]
     return jobs
 
@@ -167,6 +168,9 @@ def render(jobs: dict[str, list[Variant]], quality: dict, rounds: int) -> str:
         for ours in variants[2:]:
             goals.append((shape, ours.name, fp32.median_wall() / ours.median_wall(),
                           st_int8.median_wall() / ours.median_wall()))
+    made = sorted((WORK / "home" / "models" / "onnx").glob("*/made.json"))
+    lines += ["", "Made once per machine (export, then each quantization; in the first `make run`): " + ", ".join(
+        f"{p.parent.name.split('.')[1]} {json.loads(p.read_text())['seconds']:.1f} s" for p in made)]
     lines += ["", "## Against the goals (long documents: ≥ 1.2× the fp32 script, ≥ 1.0× the int8 ONNX script)", "",
               "| corpus | tokenmill variant | vs fp32 script | vs sentence-transformers ONNX int8 |", "|---|---|---|---|"]
     lines += [f"| {shape} | {name} | {a:.2f}× | {b:.2f}× |" for shape, name, a, b in goals]

@@ -179,3 +179,27 @@ async def _artifact_keys():
 
     async with get_client() as client:
         return {a.key for a in await client.read_artifacts()}
+
+
+def test_a_rung_this_machine_measured_too_slow_to_be_chosen_is_not_run(models_home, tmp_path, corpus, monkeypatch):
+    from tokenmill import gate
+    from tokenmill.gate import evaluate, sample_texts
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    partial = {**INT8, "quantization": "int8-partial"}
+    spec = JobSpec(input=str(corpus), model=REFERENCE, gate={
+        "reference": REFERENCE, "sample_rows": 64, "candidates": [INT8, partial], "thresholds": {"top10_overlap": 0.5}})
+    texts, source = sample_texts(spec)
+
+    def seed_rate(tokens_per_s):  # as an earlier ladder on this machine would have noted it, at every length
+        slow = {str(c): tokens_per_s for c in range(12)}
+        gate._update_verdicts(lambda cache: cache.setdefault("rates", {}).update(
+            {gate._rate_key(gate._gate_job(spec, JobSpec(model=partial).model)): slow}))
+
+    seed_rate(1.0)
+    report = evaluate(spec, texts, source)
+    assert report.chosen == 0 and report.candidates[1].skipped.startswith("not run")
+    assert report.candidates[1].metrics == [] and "not run: this machine measured it at 1 tokens/s" in report.message()
+    seed_rate(1e9)  # a rung that might be the cheapest runs, and its measured rate replaces the seeded one
+    report = evaluate(spec, texts, source, refresh=True)
+    assert not report.candidates[1].skipped and report.candidates[1].metrics

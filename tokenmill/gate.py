@@ -23,7 +23,7 @@ from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.economics import RunCost
 from tokenmill.encoding import encode_rows
 from tokenmill.digest import stable_digest
-from tokenmill.engine_choice import TRIAL_LIBRARIES, cache_dir, device_label, resolve
+from tokenmill.engine_choice import TRIAL_LIBRARIES, cache_dir, device_label, length_class, resolve
 from tokenmill.engine_protocol import Engine
 from tokenmill.engines import discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
@@ -76,6 +76,7 @@ class CandidateVerdict(BaseModel):
     cost: ModelCost
     metrics: list[GateMetric]
     passed: bool
+    skipped: str = ""  # why it was not run (it could not be the cheapest); empty: it ran
 
     def failures(self) -> str:
         return ", ".join(f"{m.name} {m.value:.4f} < {m.threshold:.4f}" for m in self.metrics if not m.passed)
@@ -141,7 +142,7 @@ class GateReport(BaseModel):
                  f"({self.reference.engine}): {self.reference.tokens_per_s:,.0f} tokens/s "
                  f"(${self.reference.usd_per_1m_tokens:.4f}/1M)"]
         for index, rung in enumerate(rungs):
-            verdict = "pass" if rung.passed else "FAIL"
+            verdict = "pass" if rung.passed else (rung.skipped or "FAIL")
             if index == self.chosen:
                 verdict += ", runs the corpus"
             lines.append(f"candidate {rung.cost.model} ({rung.cost.engine}): {verdict}; "
@@ -191,7 +192,7 @@ class GateReport(BaseModel):
                  round(self.reference.usd_per_1m_tokens, 4), **{m.name: "" for m in self.metrics}, "verdict": ""}]
         for index, rung in enumerate(rungs):
             verdict = ("pass, runs the corpus" if index == self.chosen else "pass") if rung.passed \
-                else f"FAIL ({rung.failures()})"
+                else (rung.skipped or f"FAIL ({rung.failures()})")
             rows.append({"model": rung.cost.model, "engine": rung.cost.engine, "role": f"candidate {index + 1}",
                          "tokens_per_s": round(rung.cost.tokens_per_s),
                          "usd_per_1m_tokens": round(rung.cost.usd_per_1m_tokens, 4),
@@ -324,10 +325,15 @@ def _read_verdicts() -> dict[str, Any]:
 
 
 def _write_verdict(key: str, report: GateReport) -> None:
+    _update_verdicts(lambda cache: cache.update({key: {"measured_at": time.time(),
+                                                       "report": report.model_dump(mode="json")}}))
+
+
+def _update_verdicts(change) -> None:
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     verdicts = _read_verdicts()
-    verdicts[key] = {"measured_at": time.time(), "report": report.model_dump(mode="json")}
+    change(verdicts)
     temporary = folder / f".gate-verdicts.{os.getpid()}.tmp"
     temporary.write_text(json.dumps(verdicts, indent=1))
     temporary.replace(folder / "gate-verdicts.json")  # atomic: a concurrent reader sees old or new
@@ -344,8 +350,15 @@ def measure(spec: JobSpec, texts: list[str], source: str) -> GateReport:
     # report names the engine that ran
     reference_job = resolve(jobs[0])
     reference = run_sample(reference_job, texts)
-    previous, costs, verdicts = reference_job, [], []
+    lengths = length_class(sum(map(len, reference.token_ids)) / max(len(reference.token_ids), 1))
+    rates = _read_verdicts().get("rates", {})
+    previous, verdicts = reference_job, []
     for job in jobs[1:]:
+        known = rates.get(_rate_key(job), {}).get(str(lengths))
+        fastest = max((v.cost.tokens_per_s for v in verdicts if v.passed), default=None)
+        if known and fastest and known * (1 + COST_TIE_MARGIN) < fastest:  # it could not be chosen: spare it
+            verdicts.append(_not_run(job, known, fastest, spec))
+            continue
         if engine_key(previous) != engine_key(job):
             discard_engine(resolve_model(previous.model_name), previous)
         previous = resolve(job)
@@ -355,7 +368,32 @@ def measure(spec: JobSpec, texts: list[str], source: str) -> GateReport:
                    for name, limit in thresholds.items()]
         verdicts.append(CandidateVerdict(cost=_cost(previous, candidate, spec), metrics=metrics,
                                          passed=all(m.passed for m in metrics)))
+        _note_rate(job, lengths, verdicts[-1].cost.tokens_per_s)
     return GateReport.judge(spec, source, len(texts), _cost(reference_job, reference, spec), verdicts)
+
+
+def _rate_key(job: JobSpec) -> str:
+    """A candidate's identity for its measured rate: the model, its files, the device, the libraries."""
+    return stable_digest([job.model.model_dump(mode="json"), job.mode, _files_identity(resolve_model(job.model_name)),
+                          device_label(), library_versions((*TRIAL_LIBRARIES, "onnxruntime"))], 24)
+
+
+def _note_rate(job: JobSpec, lengths: int, tokens_per_s: float) -> None:
+    """This machine's measured rate for the candidate at this length class, for later ladders (kept with the
+    verdicts; written, like them, atomically)."""
+    _update_verdicts(lambda cache: cache.setdefault("rates", {}).setdefault(_rate_key(job), {}).update(
+        {str(lengths): tokens_per_s}))
+
+
+def _not_run(job: JobSpec, known: float, fastest: float, spec: JobSpec) -> CandidateVerdict:
+    cost = RunCost.for_job(spec, rows=1, input_tokens=1_000_000, output_tokens=0, wall_seconds=1e6 / known,
+                           engine_seconds=1e6 / known)
+    return CandidateVerdict(
+        cost=ModelCost(model=_label(job), engine=job.model.engine, seconds=0.0, tokens=0, tokens_per_s=known,
+                       usd_per_1m_tokens=cost.usd_per_1m_tokens),
+        metrics=[], passed=False,
+        skipped=f"not run: this machine measured it at {known:,.0f} tokens/s on rows of this length, and a "
+                f"candidate that passed runs at {fastest:,.0f}")
 
 
 def _gate_job(spec: JobSpec, model: ModelSpec) -> JobSpec:
@@ -450,10 +488,13 @@ def text_similarity(first: list[str], second: list[str]) -> np.ndarray:
 def _cost(job: JobSpec, run: SampleRun, spec: JobSpec) -> ModelCost:
     cost = RunCost.for_job(spec, rows=len(run.outputs), input_tokens=run.tokens, output_tokens=0,
                            wall_seconds=run.seconds, engine_seconds=run.seconds)
-    label = job.model_name + (f" [{job.model.quantization}]" if job.model.quantization else "") + \
-        (f" [{job.model.dtype}]" if job.model.dtype != "auto" else "")
-    return ModelCost(model=label, engine=job.model.engine, seconds=run.seconds, tokens=run.tokens,
+    return ModelCost(model=_label(job), engine=job.model.engine, seconds=run.seconds, tokens=run.tokens,
                      tokens_per_s=cost.tokens_per_s, usd_per_1m_tokens=cost.usd_per_1m_tokens)
+
+
+def _label(job: JobSpec) -> str:
+    return job.model_name + (f" [{job.model.quantization}]" if job.model.quantization else "") + \
+        (f" [{job.model.dtype}]" if job.model.dtype != "auto" else "")
 
 
 def _action(spec: JobSpec, passed: bool) -> str:
