@@ -27,14 +27,8 @@ from conftest import TEST_EMBED_MODEL, TEST_GENERATE_MODEL
 from tokenmill.engine_protocol import Generation
 from tokenmill.errors import InputError
 from tokenmill.models import resolve_model
-from tokenmill.openai_batch import (
-    OPENAI_DIR,
-    ChatBody,
-    parse_lines,
-    run_openai_batch_shard,
-    sampling_kwargs,
-    write_batch_files,
-)
+from tokenmill.openai_batch import OPENAI_DIR, run_openai_batch_shard, sampling_kwargs, write_batch_files
+from tokenmill.openai_wire import ChatBody, parse_lines
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec
 
