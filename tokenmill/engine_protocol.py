@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tokenmill.spec import GenerationParams, JobSpec
+from tokenmill.spec import DEFAULT_TOKEN_BUDGET, GenerationParams, JobSpec
 
 
 @dataclass(frozen=True)
@@ -47,3 +47,9 @@ def run_engine(engine: Engine, batch: Sequence[Sequence[int]], spec: JobSpec) ->
     if spec.mode == "embed":
         return engine.embed(batch)
     return engine.generate(batch, spec.generation)
+
+
+def token_budget(spec: JobSpec, engine: Engine | None = None) -> int:
+    """batching.token_budget, or where the job leaves it empty, the engine's own (`default_token_budget`:
+    transformers on a CPU cuts smaller batches), else DEFAULT_TOKEN_BUDGET."""
+    return spec.batching.token_budget or getattr(engine, "default_token_budget", None) or DEFAULT_TOKEN_BUDGET

@@ -20,12 +20,12 @@ from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.economics import RunCost
 from tokenmill.encoding import encode_rows
 from tokenmill.engine_choice import resolve
-from tokenmill.engine_protocol import Engine
+from tokenmill.engine_protocol import Engine, token_budget
 from tokenmill.engines import discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
 from tokenmill.generation import OutputChecker, check_response_format, parsed_agreement
 from tokenmill.models import resolve_model
-from tokenmill.runner import run_batches, token_budget
+from tokenmill.runner import run_batches
 from tokenmill.sampling import corpus_sample
 from tokenmill.spec import GateSpec, JobSpec, ModelSpec
 

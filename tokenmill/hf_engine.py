@@ -84,7 +84,7 @@ class TransformersEngine:
         self._torch_threads = _process_threads(torch)
         self.streams = 1
         self.configure_streams(spec)
-        # the batch size a job leaves to the engine (tokenmill.runner.token_budget): embedding on a CPU, small
+        # the batch size a job leaves to the engine (tokenmill.engine_protocol.token_budget): embedding on a CPU, small
         # batches, two at once (see CPU_TOKEN_BUDGET); generation and GPUs keep the general default
         self.default_token_budget = CPU_TOKEN_BUDGET if self.device.type == "cpu" and spec.mode == "embed" else None
         self.start_seconds = time.perf_counter() - started

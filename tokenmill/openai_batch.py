@@ -33,8 +33,12 @@ import numpy as np
 import pyarrow as pa
 
 from tokenmill import progress
+from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.digest import stable_digest
+from tokenmill.engine_protocol import token_budget
+from tokenmill.engines import discard_engine, engine_died, get_engine
 from tokenmill.errors import InputError
+from tokenmill.models import load_tokenizer, model_input_limit, resolve_model
 from tokenmill.openai_wire import (
     CHAT,
     COMPLETIONS,
@@ -54,7 +58,11 @@ from tokenmill.openai_wire import (
     result_line,
     sniff_openai_batch,
 )
+from tokenmill.outputs import OutputStore, _embedding_array, rejects_table
+from tokenmill.results import ShardResult
+from tokenmill.shards import JSONL_SUFFIXES, first_line, list_input_files, read_first_line, read_shard_bytes
 from tokenmill.spec import JobSpec
+from tokenmill.storage import describe_error
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +188,6 @@ def sampling_kwargs(line: BatchLine, spec: JobSpec, prompt_tokens: int, context:
 
 
 def context_limit(spec: JobSpec, model_path: str) -> int:
-    from tokenmill.models import model_input_limit
-
     limit = spec.model.max_input_tokens or model_input_limit(model_path)
     if spec.model.engine_kwargs.get("max_model_len"):
         limit = min(limit, int(spec.model.engine_kwargs["max_model_len"]))
@@ -219,13 +225,6 @@ def shard_files(store, shard_id: str) -> dict[str, str]:
 def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
     """One shard of an OpenAI Batch file: parse, check, run each request with its own parameters,
     write the Parquet output, the rejects and the OpenAI result and error lines."""
-    from tokenmill.engines import discard_engine, engine_died, get_engine
-    from tokenmill.models import load_tokenizer, resolve_model
-    from tokenmill.outputs import OutputStore, rejects_table
-    from tokenmill.results import ShardResult
-    from tokenmill.shards import read_first_line, read_shard_bytes
-    from tokenmill.storage import describe_error
-
     started, started_at = time.perf_counter(), int(time.time())
     model_path = resolve_model(spec.model_name)
     if spec.mode == "generate" and spec.model.engine != "vllm":
@@ -369,9 +368,6 @@ def _run_requests(engine, spec: JobSpec, runnable, shard_id: str) -> tuple[list,
             seconds += time.perf_counter() - began
             progress.emit("rows_done", shard_id=shard_id, rows=len(chunk))
         return outputs, seconds
-    from tokenmill.bucketing import plan_batches, restore_order
-    from tokenmill.runner import token_budget
-
     flat = [ids for _, token_ids, _ in runnable for ids in token_ids]
     batching = spec.batching
     batches = plan_batches([len(ids) for ids in flat], token_budget(spec, engine), batching.max_batch_size,
@@ -393,8 +389,6 @@ def _run_requests(engine, spec: JobSpec, runnable, shard_id: str) -> tuple[list,
 def _output_table(rows: list[dict[str, Any]], mode: str) -> pa.Table:
     columns: dict[str, pa.Array] = {"id": pa.array([r["id"] for r in rows], pa.string())}
     if mode == "embed":
-        from tokenmill.outputs import _embedding_array
-
         columns["embedding"] = _embedding_array([r["embedding"] for r in rows])
     else:
         columns["output_text"] = pa.array([r["output_text"] for r in rows], pa.string())
@@ -413,8 +407,6 @@ def write_batch_files(spec: JobSpec, results) -> dict[str, Any] | None:
     no shard of the job is an OpenAI Batch shard. Lines whose custom_id an earlier shard holds (the
     cross-shard audit moved them to rejects) become error lines. A file none of whose lines ran fails
     the job, after the files are written."""
-    from tokenmill.outputs import OutputStore
-
     if spec.output_format == "parquet":
         return None
     store = OutputStore(spec.output, spec.storage_options)
@@ -505,8 +497,6 @@ def _duplicate_ids(store, shard_id: str) -> set[str]:
 def input_mode(spec: JobSpec) -> str | None:
     """The mode (embed or generate) the job's input asks for, when its first file is an OpenAI Batch
     file: the endpoint of that file's first line. None for any other input."""
-    from tokenmill.shards import JSONL_SUFFIXES, first_line, list_input_files
-
     if spec.format not in ("auto", "openai-batch"):
         return None
     try:

@@ -21,15 +21,16 @@ from tokenmill.bucketing import (
     restore_order,
 )
 from tokenmill.encoding import EncodedRows, encode_rows
-from tokenmill.engine_protocol import Engine, run_engine
+from tokenmill.engine_protocol import Engine, run_engine, token_budget
 from tokenmill.engines import discard_engine, engine_died, get_engine
 from tokenmill.memory import HeapGuard, release_freed_heap
 from tokenmill.models import resolve_model
+from tokenmill.openai_batch import run_openai_batch_shard
 from tokenmill.outputs import OutputStore, build_output, rejects_table, structured_invalid_rows
 from tokenmill.prompts import prefix_order, prompt_inputs, read_columns, validate_job_rows
 from tokenmill.results import ShardResult
 from tokenmill.shards import ROW_NUMBER, ShardSpec, read_shard
-from tokenmill.spec import DEFAULT_TOKEN_BUDGET, JobSpec
+from tokenmill.spec import JobSpec
 from tokenmill.storage import describe_error
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,6 @@ WHOLE_FEED_MODES = frozenset({"generate"})
 
 def engine_pads(engine_name: str) -> bool:
     return engine_name not in UNPADDED_ENGINES
-
-
-def token_budget(spec: JobSpec, engine: Engine | None = None) -> int:
-    """batching.token_budget, or where the job leaves it empty, the engine's own (`default_token_budget`:
-    transformers on a CPU cuts smaller batches), else DEFAULT_TOKEN_BUDGET."""
-    return spec.batching.token_budget or getattr(engine, "default_token_budget", None) or DEFAULT_TOKEN_BUDGET
 
 
 def plan_feed(lengths: list[int], spec: JobSpec, engine_name: str, engine: Engine | None = None) -> list[list[int]]:
@@ -85,8 +80,6 @@ def feed_padding(lengths: list[int], calls: list[list[int]], engine_name: str) -
 
 def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> ShardResult:
     if shard.format == "openai-batch":  # a request per line, each with its own parameters
-        from tokenmill.openai_batch import run_openai_batch_shard
-
         return run_openai_batch_shard(shard, spec, engine)
     started = time.perf_counter()
     timeline.mark("first_shard_started")
