@@ -759,7 +759,7 @@ def profile(run: Callable[[], object]) -> str:
 def machine() -> str:
     import psutil
 
-    from tokenmill.tracking import cpu_model
+    from tokenmill.device import cpu_model
 
     return (f"{cpu_model()}, {psutil.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
             f"Python {platform.python_version()}")

@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tokenmill import timeline
+from tokenmill.device import device_label
 from tokenmill.digest import stable_digest
 from tokenmill.spec import JobSpec, transformers_unsupported
 
@@ -88,17 +89,6 @@ class EngineChoice(BaseModel):
 
 def cache_dir() -> Path:
     return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
-
-
-def device_label() -> str:
-    """What the trial's figures hold for: the GPU's name, or the CPU's model and the cores this process may use."""
-    from tokenmill.tracking import device_name
-
-    name = device_name()
-    if name.startswith("cpu"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        name = f"{name} x{cores}"
-    return name
 
 
 def runnable_engines(spec: JobSpec) -> tuple[list[str], list[str]]:

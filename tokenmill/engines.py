@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from tokenmill import timeline
+from tokenmill.device import engine_device
 from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.processes import ProcessIdentity, is_gone, process_stat
 from tokenmill.spec import GenerationParams, JobSpec
@@ -400,13 +401,5 @@ def describe_engine(spec: JobSpec | None = None) -> tuple[str, str]:
         choice = chosen_engine(spec)
         spec = spec.model_copy(update={"model": spec.model.model_copy(
             update={"engine": choice.engine if choice else "vllm"})})
-    if spec is not None and spec.model.engine == "transformers":
-        import torch
-
-        return "transformers", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    try:
-        from vllm.platforms import current_platform
-
-        return "vllm", "cpu" if current_platform.is_cpu() else str(current_platform.device_name)
-    except Exception:  # noqa: BLE001
-        return "vllm", "unknown"
+    engine = "transformers" if spec is not None and spec.model.engine == "transformers" else "vllm"
+    return engine, engine_device(engine)
