@@ -44,13 +44,14 @@ import pyarrow.parquet as pq  # noqa: E402
 from tokenmill.bucketing import input_order_batches, padding_stats, plan_batches  # noqa: E402
 from tokenmill.encoding import encode_rows, input_token_limit  # noqa: E402
 from tokenmill.engine_protocol import Engine, token_budget  # noqa: E402
-from tokenmill.engines import VLLMEngine, close_engines, get_engine  # noqa: E402
+from tokenmill.engines import close_engines, get_engine  # noqa: E402
 from tokenmill.memory import PeakMemory  # noqa: E402
 from tokenmill.models import resolve_model  # noqa: E402
 from tokenmill.runner import run_batches, run_shard  # noqa: E402
 from tokenmill.sample_corpus import write_sample_corpus  # noqa: E402
 from tokenmill.shards import ShardSpec, discover_shards  # noqa: E402
 from tokenmill.spec import JobSpec, ModelSpec  # noqa: E402
+from tokenmill.vllm_engine import VLLMEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"

@@ -30,7 +30,13 @@ class Generation:
 
 
 class Engine(Protocol):
+    """What the runner, the gate and calibration read of an engine. An engine class subclasses it, and
+    so starts from these defaults: one batch at a time, the job's (or the default) token budget."""
+
     name: str
+    streams: int = 1  # engine calls the runner keeps in flight at once (transformers on a CPU: 2)
+    start_seconds: float = 0.0  # constructing it (model load, engine processes, warm-up), as measured
+    default_token_budget: int | None = None  # the batch budget a job that sets none gets here (None: the default)
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]: ...
 
@@ -52,4 +58,4 @@ def run_engine(engine: Engine, batch: Sequence[Sequence[int]], spec: JobSpec) ->
 def token_budget(spec: JobSpec, engine: Engine | None = None) -> int:
     """batching.token_budget, or where the job leaves it empty, the engine's own (`default_token_budget`:
     transformers on a CPU cuts smaller batches), else DEFAULT_TOKEN_BUDGET."""
-    return spec.batching.token_budget or getattr(engine, "default_token_budget", None) or DEFAULT_TOKEN_BUDGET
+    return spec.batching.token_budget or (engine.default_token_budget if engine else None) or DEFAULT_TOKEN_BUDGET

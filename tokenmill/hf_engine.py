@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.spec import CPU_TOKEN_BUDGET, GenerationParams, JobSpec, transformers_unsupported
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def read_pooling(model_path: str) -> Pooling:
     return Pooling(mode, normalize)
 
 
-class TransformersEngine:
+class TransformersEngine(Engine):
     name = "transformers"
 
     def __init__(self, model_path: str, spec: JobSpec):
@@ -144,8 +145,6 @@ class TransformersEngine:
         """What Hugging Face `generate` has of vLLM's sampling: n (sampling only), stop strings and token
         ids, top_k, min_p, repetition_penalty, min_tokens, seed. The rest is refused when the job is
         validated (tokenmill.spec.transformers_unsupported); per-row overrides are vLLM's alone."""
-        from tokenmill.engine_protocol import Generation
-
         if overrides is not None and any(overrides):
             raise ValueError("the transformers engine takes the job's sampling parameters only, not per-row overrides")
         unsupported = transformers_unsupported(params)

@@ -181,7 +181,7 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
     batch, seconds in the engine). An engine with `streams` > 1 (transformers on CPU) gets that many calls
     at once, from as many threads; results keep the batches' order either way. shard_id None: no progress
     events (an engine trial's sample is not the job's rows)."""
-    streams = max(1, int(getattr(engine, "streams", 1)))  # >1 only for transformers embedding on a CPU
+    streams = max(1, engine.streams)  # >1 only for transformers embedding on a CPU
     heap = HeapGuard()  # an in-process engine's freed activations, given back when they stop being reused
     results_by_batch: list = [None] * len(batches)
     if streams == 1:
