@@ -1,6 +1,7 @@
-"""What every engine is: the protocol the runner, the gate and calibration call, and what a
-generation returns. A leaf module, so engine implementations import it without importing
-each other."""
+"""What every engine is: the protocol the runner, the gate and calibration call, what a
+generation returns, and the token budget batches are cut to (the job's, else the engine's own).
+The bottom of the engines layer, so engine implementations import it without importing each
+other, and both shard pipelines (runner, openai_batch) without importing each other."""
 
 from __future__ import annotations
 

@@ -30,14 +30,18 @@ def engine_key(spec: JobSpec, model_path: str | None = None) -> tuple:
             spec.batching.max_batch_size)
 
 
-def get_engine(model_path: str, spec: JobSpec) -> Engine:
-    """The process's engine for this model spec and mode, started on first use.
-    `engine: auto` is resolved first (tokenmill.engine_choice), so it shares the chosen engine."""
+def refuse_auto(spec: JobSpec) -> JobSpec:
+    """The spec, whose engine must be a real one: `engine: auto` is a choice, made above the registry
+    (tokenmill.engine_choice.resolve) before any engine is asked for."""
     if spec.model.engine == "auto":
-        from tokenmill.engine_choice import resolve
+        raise ValueError("model.engine 'auto' reached the engine registry unresolved: resolve the job first "
+                         "(tokenmill.engine_choice.resolve(spec)), then ask for the engine it chose")
+    return spec
 
-        spec = resolve(spec)
-    key = engine_key(spec, model_path)
+
+def get_engine(model_path: str, spec: JobSpec) -> Engine:
+    """The process's engine for this model spec and mode, started on first use."""
+    key = engine_key(refuse_auto(spec), model_path)
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None:
@@ -61,12 +65,8 @@ def start_engine(model_path: str, spec: JobSpec) -> Engine:
 
 def discard_engine(model_path: str, spec: JobSpec) -> None:
     """Forget (and close what is left of) the engine, so the next get_engine starts a new one."""
-    if spec.model.engine == "auto":
-        from tokenmill.engine_choice import resolve
-
-        spec = resolve(spec)
     with _engines_lock:
-        engine = _engines.pop(engine_key(spec, model_path), None)
+        engine = _engines.pop(engine_key(refuse_auto(spec), model_path), None)
     if engine is not None:
         engine.close()
 
@@ -138,24 +138,12 @@ def engine_scope() -> Iterator[None]:
 
 def running_streams(model_path: str, spec: JobSpec) -> int | None:
     """Batches at once on the engine this process holds for the spec (None: no such engine open)."""
-    if spec.model.engine == "auto":
-        from tokenmill.engine_choice import chosen_engine, resolve
-
-        if chosen_engine(spec) is None:
-            return None
-        spec = resolve(spec)
     with _engines_lock:
-        engine = _engines.get(engine_key(spec, model_path))
+        engine = _engines.get(engine_key(refuse_auto(spec), model_path))
     return None if engine is None else engine.streams
 
 
 def describe_engine(spec: JobSpec | None = None) -> tuple[str, str]:
-    """(engine, device) for the run record."""
-    if spec is not None and spec.model.engine == "auto":
-        from tokenmill.engine_choice import chosen_engine
-
-        choice = chosen_engine(spec)
-        spec = spec.model_copy(update={"model": spec.model.model_copy(
-            update={"engine": choice.engine if choice else "vllm"})})
-    engine = "transformers" if spec is not None and spec.model.engine == "transformers" else "vllm"
+    """(engine, device) for the run record (no spec: vLLM's)."""
+    engine = "transformers" if spec is not None and refuse_auto(spec).model.engine == "transformers" else "vllm"
     return engine, engine_device(engine)

@@ -79,6 +79,8 @@ def feed_padding(lengths: list[int], calls: list[list[int]], engine_name: str) -
 
 
 def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> ShardResult:
+    """One shard of the resolved job (`engine: auto` already chosen: tokenmill.engine_choice.resolve), on
+    `engine`, or on the process's engine for the job when there are rows to run."""
     if shard.format == "openai-batch":  # a request per line, each with its own parameters
         return run_openai_batch_shard(shard, spec, engine)
     started = time.perf_counter()
@@ -107,7 +109,7 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
 
     lengths = [len(ids) for ids in encoded.token_ids]
     if engine is None and lengths:
-        engine = get_engine(model_path, spec)  # `auto` resolves here; how to feed depends on which engine
+        engine = get_engine(model_path, spec)  # the engine the job was resolved to; how to feed depends on it
     engine_name = engine.name if engine is not None else spec.model.engine
     batches = plan_feed(lengths, spec, engine_name, engine)
     if spec.mode == "generate" and not engine_pads(engine_name):
