@@ -6,6 +6,7 @@
     tokenmill index --config job.yaml             # the ANN index over an embed job's output
     tokenmill search --index out/emb/ "query text"
     tokenmill sample-corpus data/sample-corpus
+    tokenmill spec-docs --out docs/job-spec.md    # every job field, from JobSpec
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--documents", type=int, default=20_000)
     sample.add_argument("--files", type=int, default=4)
     sample.add_argument("--row-group-size", type=int, default=1_000)
+
+    spec_docs = commands.add_parser("spec-docs", help="the job file reference (docs/job-spec.md), written from "
+                                    "the job spec's models")
+    spec_docs.add_argument("--out", type=Path, help="write it to this file (default: print it)")
     return parser
 
 
@@ -354,6 +359,19 @@ def cmd_sample_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_spec_docs(args: argparse.Namespace) -> int:
+    from tokenmill.spec_docs import job_spec_markdown
+    from tokenmill.tasks.job import PrefectJob
+
+    text = job_spec_markdown(PrefectJob)  # the job as the CLI and the flows read it
+    if args.out is None:
+        print(text, end="")
+    else:
+        args.out.write_text(text)
+        print(f"Wrote {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
@@ -363,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_cli_environment()
     try:
         return {"run": cmd_run, "gate": cmd_gate, "calibrate": cmd_calibrate, "plan": cmd_plan,
-                "index": cmd_index, "search": cmd_search, "sample-corpus": cmd_sample_corpus}[args.command](args)
+                "index": cmd_index, "search": cmd_search, "sample-corpus": cmd_sample_corpus,
+                "spec-docs": cmd_spec_docs}[args.command](args)
     except (TokenmillError, ValidationError) as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2
