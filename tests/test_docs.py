@@ -1,5 +1,5 @@
 """The docs inside the repository say what the code does: the job file reference is the job spec's
-own fields, regenerated."""
+own fields, regenerated; the README links the design that lives beside it."""
 
 from pathlib import Path
 
@@ -22,3 +22,9 @@ def test_the_reference_lists_every_field_of_every_section():
             assert f"| `{name}` |" in text, f"{path or 'job'}.{name} is missing"
     assert "## `gate`: Eval gate" in text and "[Model](#model)" in text  # optional sections, linked types
 
+
+def test_the_readme_links_the_design_in_the_repository():
+    readme = (ROOT / "README.md").read_text()
+    assert "../shared/" not in readme
+    for link in ("docs/design.md", "docs/job-spec.md"):
+        assert f"({link})" in readme and (ROOT / link).exists()

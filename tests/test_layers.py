@@ -1,8 +1,9 @@
-"""The core's modules import one another one way: no cycle, at module level or inside a function.
+"""The core's modules import one another one way: no cycle, at module level or inside a function,
+and no import up the layers the README's Layout table gives every module.
 
 An import inside a function hides a cycle from Python, not from the design: the code on one side
 of it is in the wrong layer. So every import statement in tokenmill/ counts, wherever it stands
-(docs/design.md names the layers: leaves, input, engines, outputs, pipeline, policy, record).
+(docs/design.md names the layers: leaf, input, engines, outputs, pipeline, policy, record, entry).
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-CORE = Path(__file__).resolve().parents[1] / "tokenmill"
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "tokenmill"
 PACKAGE = "tokenmill"
+# bottom to top, as docs/design.md and the README's Layout name them
+LAYERS = ("leaf", "input", "engines", "outputs", "pipeline", "policy", "record", "entry")
 
 
 def core_modules() -> set[str]:
@@ -129,3 +133,27 @@ def test_no_import_cycle_among_the_core_modules():
     assert graph, "no modules found under tokenmill/"
     cycles = describe_cycles(graph)
     assert not cycles, "import cycles in tokenmill/ (every import counts, inside functions too):\n" + "\n".join(cycles)
+
+
+def layout_layers() -> dict[str, str]:
+    """module -> layer, from the README's module table (rows `| `module` | layer | what |`)."""
+    section = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| `")]
+    return {name.strip().strip("`"): layer.strip() for name, layer in rows if layer.strip() in LAYERS}
+
+
+def test_the_layout_table_names_every_module_with_its_layer():
+    layers = layout_layers()
+    missing = sorted(core_modules() - set(layers))
+    assert not missing, f"README.md, Layout: add a row (module, layer, what) for {', '.join(missing)}"
+    gone = sorted(set(layers) - core_modules())
+    assert not gone, f"README.md, Layout names modules tokenmill/ no longer has: {', '.join(gone)}"
+
+
+def test_no_import_points_up_the_layers():
+    layers = layout_layers()
+    rank = {module: LAYERS.index(layer) for module, layer in layers.items()}
+    upward = [f"{module} ({layers[module]}) imports {target} ({layers[target]})"
+              for module, targets in sorted(import_graph().items()) for target in sorted(targets)
+              if module in rank and target in rank and rank[target] > rank[module]]
+    assert not upward, "imports that point up the layers (README.md, Layout):\n" + "\n".join(upward)
