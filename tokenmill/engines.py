@@ -10,15 +10,20 @@ behind the protocol in tokenmill.engine_protocol.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
-from tokenmill import timeline
+from tokenmill import progress, timeline
 from tokenmill.device import engine_device
 from tokenmill.engine_protocol import Engine
 from tokenmill.spec import JobSpec
+from tokenmill.storage import describe_error
 from tokenmill.vllm_engine import VLLMEngine
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _engines: dict[tuple, Engine] = {}
 _engines_lock = threading.RLock()
@@ -75,6 +80,23 @@ def engine_died(exc: BaseException) -> bool:
     """Whether an error means the engine's process is gone (killed, out of memory), not a bad input."""
     names = {cls.__name__ for cls in type(exc).__mro__}
     return bool(names & {"EngineDeadError", "EngineDied"})
+
+
+def with_one_restart(run: Callable[[Engine], T], engine: Engine | None, model_path: str, spec: JobSpec,
+                     shard_id: str) -> T:
+    """run(engine), on the process's engine for the spec where none is given. An engine whose process
+    died (killed, out of memory: not a bad row) is started again once and run goes again on the new
+    one; a second death fails the shard."""
+    try:
+        return run(engine if engine is not None else get_engine(model_path, spec))
+    except Exception as exc:
+        if not engine_died(exc):
+            raise
+        log.warning("engine died during shard %s (%s); restarting it once and retrying the shard",
+                    shard_id, describe_error(exc))
+        progress.emit("shard_restarted", shard_id=shard_id)
+        discard_engine(model_path, spec)
+        return run(get_engine(model_path, spec))
 
 
 def close_engines() -> None:

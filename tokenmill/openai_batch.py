@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import logging
 import posixpath
 import time
 from typing import Any
@@ -36,7 +35,7 @@ from tokenmill import progress
 from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.digest import stable_digest
 from tokenmill.engine_protocol import token_budget
-from tokenmill.engines import discard_engine, engine_died, get_engine
+from tokenmill.engines import with_one_restart
 from tokenmill.errors import InputError
 from tokenmill.models import load_tokenizer, model_input_limit, resolve_model
 from tokenmill.openai_wire import (
@@ -58,13 +57,10 @@ from tokenmill.openai_wire import (
     result_line,
     sniff_openai_batch,
 )
-from tokenmill.outputs import OutputStore, _embedding_array, rejects_table
+from tokenmill.outputs import OutputStore, _embedding_array, record_shard, write_shard_tables
 from tokenmill.results import ShardResult
 from tokenmill.shards import JSONL_SUFFIXES, first_line, list_input_files, read_first_line, read_shard_bytes
 from tokenmill.spec import JobSpec
-from tokenmill.storage import describe_error
-
-log = logging.getLogger(__name__)
 
 OPENAI_DIR = "_openai"
 OUTPUT_FILE = "output.jsonl"
@@ -235,16 +231,57 @@ def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
     store = OutputStore(spec.output, spec.storage_options)
     parsed = parse_lines(read_shard_bytes(shard, spec.storage_options), shard.byte_start)
     rows_in = parsed.rows_in
-    first = read_first_line(shard, spec.storage_options) if shard.byte_start else b""
-    first_endpoint = None
-    if first:
-        try:
-            first_endpoint = json.loads(first).get("url")
-        except (ValueError, AttributeError):
-            first_endpoint = None
+    first_endpoint = _first_endpoint(shard, spec)
     check_endpoints(parsed, spec, shard.uri, first_endpoint)
     check_models(parsed, spec, model_path)
+    runnable, truncated = _encode_requests(parsed, spec, model_path)
 
+    progress.emit("shard_started", shard_id=shard.shard_id, rows=len(runnable))
+    outputs: list = []
+    engine_seconds = 0.0
+    if runnable:
+        outputs, engine_seconds = with_one_restart(
+            lambda current: _run_requests(current, spec, runnable, shard.shard_id),
+            engine, model_path, spec, shard.shard_id)
+    results, rows, input_tokens, output_tokens = _answers(runnable, outputs, truncated, spec, shard.fingerprint)
+
+    errors = sorted(parsed.errors, key=lambda e: e.offset)
+    error_lines = [error_line(stable_digest([shard.fingerprint, e.offset], 24), e) for e in errors]
+    files = shard_files(store, shard.shard_id)
+    write_shard_tables(store, shard.shard_id, shard.uri, _output_table(rows, spec.mode),
+                       [(e.offset, e.custom_id, f"{e.code}: {e.message}") for e in errors], True)
+    store.write_bytes(files["output"], jsonl_bytes(results))
+    store.write_bytes(files["errors"], jsonl_bytes(error_lines))
+    endpoints = sorted({line.url for line, _, _ in runnable} | {
+        e for e in (first_endpoint,) if e in ENDPOINT_MODES})
+    store.write_json(files["record"], {"shard_id": shard.shard_id, "uri": shard.uri, "endpoints": endpoints,
+                                       "completed": len(results), "failed": len(error_lines),
+                                       "input_tokens": input_tokens, "output_tokens": output_tokens,
+                                       "started_at": started_at, "finished_at": int(time.time())})
+    lengths = [sum(len(ids) for ids in token_ids) for _, token_ids, _ in runnable]
+    return record_shard(store, ShardResult(
+        shard_id=shard.shard_id, fingerprint=shard.fingerprint, uri=shard.uri,
+        output=store.shard_output(shard.shard_id), rows_in=rows_in, rows_out=len(results),
+        rows_rejected=len(error_lines), rows_truncated=sum(truncated.values()), input_tokens=input_tokens,
+        output_tokens=output_tokens, batches=max(1, -(-len(runnable) // 4096)) if runnable else 0,
+        real_tokens=sum(lengths), padded_slots=sum(lengths), baseline_padded_slots=sum(lengths),
+        engine_seconds=engine_seconds, seconds=time.perf_counter() - started))
+
+
+def _first_endpoint(shard, spec: JobSpec) -> str | None:
+    """The endpoint of the file's first line, for a shard that starts further in (None for the first)."""
+    first = read_first_line(shard, spec.storage_options) if shard.byte_start else b""
+    if not first:
+        return None
+    try:
+        return json.loads(first).get("url")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _encode_requests(parsed: ParsedLines, spec: JobSpec, model_path: str):
+    """(runnable requests as (line, token ids, sampling kwargs), custom ids of the truncated ones); a
+    request that cannot run here becomes a line error in `parsed`."""
     tokenizer = load_tokenizer(model_path)
     context = context_limit(spec, model_path)
     can_cut = matryoshka(model_path) if spec.mode == "embed" else False
@@ -280,29 +317,16 @@ def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
             token_ids = [ids if len(ids) <= context else ids[: context - 1] + ids[-1:] for ids in token_ids]
             truncated[line.custom_id] = True
         runnable.append((line, token_ids, None))
+    return runnable, truncated
 
-    progress.emit("shard_started", shard_id=shard.shard_id, rows=len(runnable))
-    outputs: list = []
-    engine_seconds = 0.0
-    if runnable:
-        def run(current):
-            return _run_requests(current, spec, runnable, shard.shard_id)
-        try:
-            outputs, engine_seconds = run(engine or get_engine(model_path, spec))
-        except Exception as exc:
-            if not engine_died(exc):
-                raise
-            log.warning("engine died during shard %s (%s); restarting it once and retrying the shard",
-                        shard.shard_id, describe_error(exc))
-            progress.emit("shard_restarted", shard_id=shard.shard_id)
-            discard_engine(model_path, spec)
-            outputs, engine_seconds = run(get_engine(model_path, spec))
 
+def _answers(runnable, outputs: list, truncated: dict[str, bool], spec: JobSpec, fingerprint: str):
+    """(result lines, output rows, input tokens, output tokens) of the requests that ran."""
     created = int(time.time())
     results, rows = [], []
     input_tokens = output_tokens = 0
     for (line, token_ids, _), output in zip(runnable, outputs):
-        key = stable_digest([shard.fingerprint, line.custom_id], 24)
+        key = stable_digest([fingerprint, line.custom_id], 24)
         model = line.body.model or spec.model_name
         prompt_tokens = sum(len(ids) for ids in token_ids)
         if spec.mode == "generate":
@@ -319,36 +343,7 @@ def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
                          "output_tokens": 0, "truncated": truncated.get(line.custom_id, False)})
         input_tokens += prompt_tokens
         results.append(result_line(key, line.custom_id, body))
-
-    errors = sorted(parsed.errors, key=lambda e: e.offset)
-    error_lines = [error_line(stable_digest([shard.fingerprint, e.offset], 24), e) for e in errors]
-    files = shard_files(store, shard.shard_id)
-    store.delete(store.shard_duplicates(shard.shard_id))
-    store.write_table(store.shard_output(shard.shard_id), _output_table(rows, spec.mode))
-    store.write_table(store.shard_rejects(shard.shard_id), rejects_table(
-        shard.shard_id, shard.uri, [(e.offset, e.custom_id, f"{e.code}: {e.message}") for e in errors], True))
-    store.write_bytes(files["output"], jsonl_bytes(results))
-    store.write_bytes(files["errors"], jsonl_bytes(error_lines))
-    endpoints = sorted({line.url for line, _, _ in runnable} | {
-        e for e in (first_endpoint,) if e in ENDPOINT_MODES})
-    store.write_json(files["record"], {"shard_id": shard.shard_id, "uri": shard.uri, "endpoints": endpoints,
-                                       "completed": len(results), "failed": len(error_lines),
-                                       "input_tokens": input_tokens, "output_tokens": output_tokens,
-                                       "started_at": started_at, "finished_at": int(time.time())})
-    lengths = [sum(len(ids) for ids in token_ids) for _, token_ids, _ in runnable]
-    result = ShardResult(
-        shard_id=shard.shard_id, fingerprint=shard.fingerprint, uri=shard.uri,
-        output=store.shard_output(shard.shard_id), rows_in=rows_in, rows_out=len(results),
-        rows_rejected=len(error_lines), rows_truncated=sum(truncated.values()), input_tokens=input_tokens,
-        output_tokens=output_tokens, batches=max(1, -(-len(runnable) // 4096)) if runnable else 0,
-        real_tokens=sum(lengths), padded_slots=sum(lengths), baseline_padded_slots=sum(lengths),
-        engine_seconds=engine_seconds, seconds=time.perf_counter() - started)
-    if result.rows_in != result.rows_out + result.rows_rejected:
-        raise AssertionError(f"shard {shard.shard_id}: {rows_in} lines in, {len(results)} results, "
-                             f"{len(error_lines)} errors")
-    store.write_json(store.shard_record(shard.shard_id), result.model_dump())
-    progress.emit("shard_done", shard_id=shard.shard_id, result=result)
-    return result
+    return results, rows, input_tokens, output_tokens
 
 
 FEED_CHUNK_REQUESTS = 4096  # as the runner's FEED_CHUNK_ROWS: bounds memory, keeps vLLM's scheduler full
@@ -452,8 +447,20 @@ def write_batch_files(spec: JobSpec, results) -> dict[str, Any] | None:
     store.write_bytes(posixpath.join(folder, ERRORS_FILE), bytes(errors))
     dead = sorted(uri for uri, (done, bad) in per_file.items() if done == 0 and bad > 0)
     created_at = min(r["started_at"] for r in records.values())
-    completed_at = int(time.time())
-    batch = {
+    batch = _batch_object(spec, endpoints, dead, created_at=created_at, finalizing_at=finalizing_at,
+                          completed_at=int(time.time()), completed=completed, failed=failed,
+                          input_tokens=input_tokens, output_tokens=output_tokens)
+    store.write_json(posixpath.join(folder, BATCH_FILE), batch)
+    if dead:
+        raise InputError(", ".join(dead), f"no line is a valid request ({failed} lines failed); the reasons are in "
+                                          f"{posixpath.join(folder, ERRORS_FILE)}")
+    return batch
+
+
+def _batch_object(spec: JobSpec, endpoints: set[str], dead: list[str], *, created_at: int, finalizing_at: int,
+                  completed_at: int, completed: int, failed: int, input_tokens: int, output_tokens: int) -> dict:
+    """The job's batch.json, shaped like OpenAI's Batch object: failed when a file had no valid line."""
+    return {
         "id": f"batch_{stable_digest([spec.input, spec.output, spec.model_name], 24)}",
         "object": "batch",
         "endpoint": next(iter(endpoints)) if len(endpoints) == 1 else ",".join(sorted(endpoints)),
@@ -480,11 +487,6 @@ def write_batch_files(spec: JobSpec, results) -> dict[str, Any] | None:
         "metadata": {"tokenmill_output": spec.output,
                      "finished": dt.datetime.fromtimestamp(completed_at, dt.UTC).isoformat()},
     }
-    store.write_json(posixpath.join(folder, BATCH_FILE), batch)
-    if dead:
-        raise InputError(", ".join(dead), f"no line is a valid request ({failed} lines failed); the reasons are in "
-                                          f"{posixpath.join(folder, ERRORS_FILE)}")
-    return batch
 
 
 def _duplicate_ids(store, shard_id: str) -> set[str]:
