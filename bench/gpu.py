@@ -245,9 +245,10 @@ def embed_section(args, env, torch, device, minilm: Path, corpus: Path) -> dict:
 
     from tokenmill.bucketing import padding_stats, plan_batches, restore_order
     from tokenmill.encoding import encode_rows
+    from tokenmill.engine_protocol import token_budget
     from tokenmill.engines import start_engine
     from tokenmill.models import model_input_limit
-    from tokenmill.runner import run_batches, token_budget
+    from tokenmill.runner import run_batches
     from tokenmill.spec import JobSpec, ModelSpec
 
     texts = read_texts(corpus, args.docs)

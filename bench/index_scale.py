@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(job: JobRun, small: JobRun, builds: dict[str, IndexBuildRun]) -> str:
-    from tokenmill.tracking import cpu_model
+    from tokenmill.device import cpu_model
 
     r = job.report
     share = r["build_seconds"] / r["embed_seconds"] if r.get("embed_seconds") else None

@@ -43,14 +43,16 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from tokenmill.bucketing import input_order_batches, padding_stats, plan_batches  # noqa: E402
 from tokenmill.encoding import encode_rows, input_token_limit  # noqa: E402
-from tokenmill.engine_protocol import Engine  # noqa: E402
-from tokenmill.engines import VLLMEngine, close_engines, get_engine  # noqa: E402
+from tokenmill.engine_choice import resolve  # noqa: E402
+from tokenmill.engine_protocol import Engine, token_budget  # noqa: E402
+from tokenmill.engines import close_engines, get_engine  # noqa: E402
 from tokenmill.memory import PeakMemory  # noqa: E402
 from tokenmill.models import resolve_model  # noqa: E402
-from tokenmill.runner import run_batches, run_shard, token_budget  # noqa: E402
+from tokenmill.runner import run_batches, run_shard  # noqa: E402
 from tokenmill.sample_corpus import write_sample_corpus  # noqa: E402
 from tokenmill.shards import ShardSpec, discover_shards  # noqa: E402
 from tokenmill.spec import JobSpec, ModelSpec  # noqa: E402
+from tokenmill.vllm_engine import VLLMEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -362,7 +364,7 @@ def compare_vllm_vs_transformers_generate(prompts: list[str]) -> VllmVsTransform
     output_tokens: dict[str, int] = {}
 
     def generate_with(job: JobSpec, engine_name: str) -> Callable[[], None]:
-        engine = get_engine(model_path, job)
+        engine = get_engine(model_path, resolve(job))
 
         def go() -> None:
             results, _ = run_batches(engine, batches, token_ids, job, "bench")
@@ -430,7 +432,7 @@ def compare_structured_vs_free(texts: list[str]) -> StructuredVsFree:
     free = generation_job(messages, STRUCTURED_MAX_TOKENS)
     model_path = resolve_model(free.model_name)
     token_ids = encode_rows([text[:ROW_CHARS] for text in texts], free, model_path).token_ids
-    engine = get_engine(model_path, free)
+    engine = get_engine(model_path, resolve(free))
     checker = OutputChecker(structured.generation.response_format)
     valid: dict[str, int] = {}
     output_tokens: dict[str, int] = {}
@@ -476,7 +478,7 @@ def compare_prefix_order(texts: list[str]) -> PrefixOrder:
     # row i belongs to task i % PREFIXES: in input order, no two neighbours share a prefix
     token_ids = [encode_rows([text[:ROW_CHARS]], jobs[i % PREFIXES], model_path).token_ids[0]
                  for i, text in enumerate(texts)]
-    engine = get_engine(model_path, jobs[0])
+    engine = get_engine(model_path, resolve(jobs[0]))
     hit_rate: dict[str, float] = {}
 
     def generate(order: list[int], name: str) -> Callable[[], None]:
@@ -668,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(median {statistics.median(corpus.lengths)}, max {max(corpus.lengths)})")
 
     # One engine of each kind serves every embedding comparison.
-    vllm = get_engine(corpus.model_path, corpus.spec)
+    vllm = get_engine(corpus.model_path, resolve(corpus.spec))  # the spec's engine is auto: as a job would choose
     hf = get_engine(corpus.model_path, corpus.hf_spec)
     end_to_end = compare_end_to_end_vs_raw_vllm(corpus, vllm)
     offline = compare_offline_vs_one_at_a_time(corpus, vllm, hf, args.single_docs)
@@ -759,7 +761,7 @@ def profile(run: Callable[[], object]) -> str:
 def machine() -> str:
     import psutil
 
-    from tokenmill.tracking import cpu_model
+    from tokenmill.device import cpu_model
 
     return (f"{cpu_model()}, {psutil.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
             f"Python {platform.python_version()}")

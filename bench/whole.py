@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(jobs: dict[str, list[Variant]], about: dict[str, dict], rounds: int) -> str:
-    from tokenmill.tracking import cpu_model
+    from tokenmill.device import cpu_model
 
     lines = [
         "# Whole runs, as users run them",

@@ -12,6 +12,7 @@ from prefect.cache_policies import NONE
 from pydantic import BaseModel
 
 from tokenmill import prediction, timeline
+from tokenmill.engine_choice import ran_as
 from tokenmill.engines import describe_engine, running_streams
 from tokenmill.manifest import build_manifest
 from tokenmill.models import resolve_model
@@ -151,11 +152,12 @@ def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: flo
     from prefect.runtime import flow_run
 
     metrics = run_metrics(results, wall_seconds, spec, set(cached_shard_ids or ()), fleet_metrics)
-    engine, device = describe_engine(spec)
+    ran = ran_as(spec)
+    engine, device = describe_engine(ran)
     if spec.model.engine == "auto" and engine_choice is None:  # a fleet: each worker chose on its device
         engine = ",".join(sorted({r.engine for r in results if r.engine})) or engine
     params = {**job_params(spec, engine, resolve_model(spec.model_name), device), **orchestration_params(spec)}
-    streams = running_streams(resolve_model(spec.model_name), spec)
+    streams = running_streams(resolve_model(spec.model_name), ran) if ran is not None else None
     if streams is not None:  # what the engine ran at, whatever cpu_streams asked
         params["engine_streams"] = streams
     if engine_choice is not None:  # engine: auto, and why it ran on this engine

@@ -15,6 +15,7 @@ from prefect.utilities.callables import get_call_parameters
 from tokenmill.audit import reject_cross_shard_duplicates
 from tokenmill.digest import stable_digest
 from tokenmill.dispatch import read_shard_list, write_shard_list
+from tokenmill.engine_choice import resolve
 from tokenmill.engines import engine_scope
 from tokenmill.errors import InputError
 from tokenmill.manifest import build_manifest
@@ -105,8 +106,9 @@ class ResumableShardTask(Task):
 
 @with_core_logs
 def process_shard(shard: ShardSpec, spec: JobSpec) -> ShardResult:
-    """Read, validate, tokenize, run and write one shard; its result persists beside the outputs."""
-    result = run_shard(shard, with_storage_secrets(spec))
+    """Read, validate, tokenize, run and write one shard; its result persists beside the outputs.
+    `engine: auto` is decided here, before the shard moves (once per process: the choice is kept)."""
+    result = run_shard(shard, resolve(with_storage_secrets(spec)))
     return result.model_copy(update={"worker": runtime_flow_run.name or ""})
 
 

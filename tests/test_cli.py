@@ -38,3 +38,43 @@ def test_sample_corpus_is_realistic(tmp_path):
     median, p99 = words[len(words) // 2], words[int(len(words) * 0.99)]
     assert median < 60 and p99 > 8 * median  # many short documents, a long tail
     assert len(set(texts)) > 0.75 * len(texts)
+
+
+def test_the_flags_are_the_job_specs_fields():
+    """A flag per one-value field (--<dotted path>, its type, choices and description), and the short
+    flags the CLI had before keep their fields."""
+    import pytest
+
+    from tokenmill.cli import FLAG_ALIASES, build_parser, spec_from_args
+    from tokenmill.spec import ModelSpec
+    from tokenmill.spec_fields import spec_fields
+    from tokenmill.tasks.job import PrefectJob
+
+    parser = build_parser()
+    run = parser._subparsers._group_actions[0].choices["run"]
+    flags = set(run._option_string_actions)
+    for field in spec_fields(PrefectJob):
+        flag = f"--{field.path.replace('_', '-')}"
+        if field.scalar() is not None:
+            assert flag in flags, field.path
+        else:  # lists, mappings and sections: --set (`--model` is model.name's short flag)
+            assert flag not in flags or field.path in FLAG_ALIASES, field.path
+    before = ["input", "output", "format", "output_format", "mode", "model", "engine", "id_column", "text_column",
+              "overlong", "max_tokens", "token_budget", "max_batch_size", "max_shard_rows", "tracking_uri",
+              "experiment", "dispatch", "workers", "deployment"]
+    assert {f"--{flag.replace('_', '-')}" for flag in before} <= flags and set(FLAG_ALIASES) <= set(before)
+    assert ModelSpec.model_fields["engine"].description.split(":")[0] in run.format_help()
+
+    spec = spec_from_args(parser.parse_args([
+        "run", "--engine", "transformers", "--model", "all-MiniLM-L6-v2", "--token-budget", "4096",
+        "--batching.max-batch-size", "8", "--generation.temperature", "0.5", "--tracking-uri", "sqlite:///x.db",
+        "--workers", "2", "--openai-batch.mixed-endpoints", "--pricing.gpu-count", "2", "--overlong", "reject"]))
+    assert (spec.model.engine, spec.model.name, spec.batching.token_budget, spec.batching.max_batch_size) == (
+        "transformers", "all-MiniLM-L6-v2", 4096, 8)
+    assert spec.generation.temperature == 0.5 and spec.tracking.mlflow_tracking_uri == "sqlite:///x.db"
+    assert spec.fleet.workers == 2 and spec.openai_batch.mixed_endpoints and spec.pricing.gpu_count == 2
+    assert spec_from_args(parser.parse_args(["run"])) == PrefectJob()  # an unset flag leaves the default
+    with pytest.raises(SystemExit):  # choices come from the field's Literal
+        parser.parse_args(["run", "--engine", "tensorrt"])
+    plan = parser.parse_args(["plan", "--window", "2h", "--calibration", "c.json"])  # plan's own flag
+    assert plan.calibration == "c.json" and spec_from_args(plan).calibration is None

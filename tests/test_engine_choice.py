@@ -244,8 +244,10 @@ def test_a_cached_trials_streams_reach_the_jobs_engine(trial_cache, corpus):
     resolved = engine_choice.resolve(spec)
     assert (resolved.model.engine, resolved.model.cpu_streams) == ("transformers", 1)
     model_path = resolve_model(spec.model_name)
+    with pytest.raises(ValueError, match="auto.*resolve the job first"):  # the registry holds engines, not choices
+        get_engine(model_path, spec)
     try:
-        assert get_engine(model_path, spec).streams == 1  # auto, resolved through the cached trial
+        assert get_engine(model_path, resolved).streams == 1  # auto, resolved through the cached trial
         assert get_engine(model_path, spec.model_copy(update={"model": resolved.model.model_copy(
             update={"cpu_streams": 2})})).streams == 2  # the same engine, set as the next job asks
     finally:

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import TEST_GENERATE_MODEL
 from tokenmill import runner
-from tokenmill.engine_protocol import Generation
+from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.engines import get_engine
 from tokenmill.models import resolve_model
 from tokenmill.runner import FEED_CHUNK_ROWS, feed_padding, plan_feed, run_shard
@@ -30,7 +30,7 @@ PROMPTS = [
 ]
 
 
-class CountingEngine:
+class CountingEngine(Engine):
     """The real engine, with its calls counted."""
 
     def __init__(self, engine, name=None):
@@ -50,7 +50,7 @@ class CountingEngine:
         pass
 
 
-class LengthEngine:
+class LengthEngine(Engine):
     """No model: answers each row with its own token count, so order mistakes show."""
 
     def __init__(self, name):

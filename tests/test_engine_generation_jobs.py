@@ -11,7 +11,7 @@ from jsonschema import Draft202012Validator
 
 from conftest import TEST_GENERATE_MODEL, write_parquet
 from tokenmill.encoding import encode_rows
-from tokenmill.engine_protocol import Generation
+from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.engines import get_engine
 from tokenmill.gate import evaluate
 from tokenmill.manifest import build_manifest
@@ -184,7 +184,7 @@ def test_per_row_sampling_params(spec, engine):
     assert short.output_tokens == 2 and longer.output_tokens == 9
 
 
-class DamagedEngine:
+class DamagedEngine(Engine):
     """The real engine, whose JSON answers come back with the label flipped: a candidate that disagrees."""
 
     name = "vllm"

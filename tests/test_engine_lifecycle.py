@@ -48,7 +48,8 @@ def test_the_flow_closes_its_vllm_engine_when_it_ends(tmp_path, corpus):
         import json, os, threading
         import psutil
         from tokenmill.flows.batch import batch_flow
-        from tokenmill.engines import VLLM_CLIENT_THREADS, open_engines
+        from tokenmill.engines import open_engines
+        from tokenmill.vllm_engine import VLLM_CLIENT_THREADS
         from tokenmill.spec import JobSpec
 
         if __name__ == "__main__":
@@ -177,7 +178,7 @@ LEFTOVERS_SCRIPT = """
 import multiprocessing, os, signal, time
 from multiprocessing import shared_memory
 
-from tokenmill.engines import EngineLeftovers
+from tokenmill.vllm_engine import EngineLeftovers
 
 
 def worker(pipe):  # as a vLLM worker: a segment of its own

@@ -24,17 +24,11 @@ from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from conftest import TEST_EMBED_MODEL, TEST_GENERATE_MODEL
-from tokenmill.engine_protocol import Generation
+from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.errors import InputError
 from tokenmill.models import resolve_model
-from tokenmill.openai_batch import (
-    OPENAI_DIR,
-    ChatBody,
-    parse_lines,
-    run_openai_batch_shard,
-    sampling_kwargs,
-    write_batch_files,
-)
+from tokenmill.openai_batch import OPENAI_DIR, run_openai_batch_shard, sampling_kwargs, write_batch_files
+from tokenmill.openai_wire import ChatBody, parse_lines
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec
 
@@ -71,7 +65,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 # --- a stand-in engine: the format, without vLLM ----------------------------------------------------
 
-class StandInEngine:
+class StandInEngine(Engine):
     """Answers like an engine: texts that name the prompt's length and the sampling asked for."""
 
     name = "vllm"

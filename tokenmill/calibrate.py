@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from tokenmill.economics import RunCost
 from tokenmill.encoding import encode_rows
+from tokenmill.engine_choice import resolve
 from tokenmill.engine_protocol import run_engine
 from tokenmill.engines import get_engine
 from tokenmill.memory import PeakMemory
@@ -94,8 +95,6 @@ class Calibration(BaseModel):
 
 def calibrate(spec: JobSpec, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, sample_rows: int = 512,
               min_calls: int = 2) -> Calibration:
-    from tokenmill.engine_choice import resolve
-
     spec = resolve(spec)  # engine: auto calibrates the engine its trial picks
     texts, _ = corpus_sample(spec, sample_rows)
     model_path = resolve_model(spec.model_name)

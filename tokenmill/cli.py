@@ -6,6 +6,7 @@
     tokenmill index --config job.yaml             # the ANN index over an embed job's output
     tokenmill search --index out/emb/ "query text"
     tokenmill sample-corpus data/sample-corpus
+    tokenmill spec-docs --out docs/job-spec.md    # every job field, from JobSpec
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tokenmill.spec_fields import SpecField, spec_fields
 
 # What the CLI sets before it imports Prefect, transformers or vLLM, unless the environment
 # already says otherwise. Nothing else in tokenmill sets the environment; a library user
@@ -51,27 +54,23 @@ def gpu_visible() -> bool:
     return os.path.exists("/dev/nvidiactl")
 
 
-FLAG_FIELDS = {  # flag -> dotted JobSpec field
-    "input": "input",
-    "output": "output",
-    "format": "format",
-    "output_format": "output_format",
-    "mode": "mode",
+# The job's flags are its fields (tokenmill.spec_fields), as vLLM's EngineArgs.add_cli_args makes its
+# flags from its own: every field that takes one value, at the job's top or in a section it always has,
+# is --<dotted path> (--batching.token-budget), with the field's type, choices and description. These
+# short spellings, the CLI's flags before that, stay: flag -> dotted field.
+FLAG_ALIASES = {
     "model": "model.name",
     "engine": "model.engine",
-    "id_column": "id_column",
-    "text_column": "text_column",
-    "overlong": "overlong",
     "max_tokens": "generation.max_tokens",
     "token_budget": "batching.token_budget",
     "max_batch_size": "batching.max_batch_size",
     "max_shard_rows": "batching.max_shard_rows",
     "tracking_uri": "tracking.mlflow_tracking_uri",
     "experiment": "tracking.experiment",
-    "dispatch": "dispatch",
     "workers": "fleet.workers",
     "deployment": "fleet.deployment",
 }
+SPEC_DEST = "spec:"  # a job flag's dest is its field's path behind this, apart from any command's own flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--out", default="calibration", help="where the plot, snippet and JSON go")
 
     plan = commands.add_parser("plan", help="GPUs, finish time and dollars for the corpus inside a window")
-    _add_job_arguments(plan)
     plan.add_argument("--window", required=True, help="e.g. 12h, 90m, 2d")
     plan.add_argument("--calibration", help="calibration.json from tokenmill calibrate")
     plan.add_argument("--tokens-per-s", type=float, help="tokens/s per GPU, instead of a calibration")
@@ -101,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--preemptions-per-gpu-hour", type=float, default=0.05)
     plan.add_argument("--engine-start-s", type=float, default=60.0)
     plan.add_argument("--sample-rows", type=int, default=512)
+    _add_job_arguments(plan)  # after its own flags: plan's --calibration is its own, not the job's field
 
     index = commands.add_parser("index", help="build (or reuse) the ANN index over an embed job's output")
     _add_job_arguments(index)
@@ -118,35 +117,51 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--documents", type=int, default=20_000)
     sample.add_argument("--files", type=int, default=4)
     sample.add_argument("--row-group-size", type=int, default=1_000)
+
+    spec_docs = commands.add_parser("spec-docs", help="the job file reference (docs/job-spec.md), written from "
+                                    "the job spec's models")
+    spec_docs.add_argument("--out", type=Path, help="write it to this file (default: print it)")
     return parser
 
 
 def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config, a flag for each of the job's one-value fields (grouped by section), and --set."""
+    from tokenmill.tasks.job import PrefectJob  # the job as the CLI reads it: JobSpec and where it runs
+
     parser.add_argument("--config", type=Path, help="job YAML; flags override it")
-    parser.add_argument("--input", help="file, directory or glob; local or s3://")
-    parser.add_argument("--output", help="output directory; local or s3://")
-    parser.add_argument("--format", choices=["auto", "parquet", "jsonl", "openai-batch"])
-    parser.add_argument("--output-format", dest="output_format", choices=["auto", "parquet", "openai-batch"],
-                        help="openai-batch: OpenAI Batch result and error files too (auto: for such input)")
-    parser.add_argument("--mode", choices=["embed", "generate"])
-    parser.add_argument("--model", help="path, Hugging Face name, or built-in alias")
-    parser.add_argument("--engine", choices=["auto", "vllm", "transformers", "onnxruntime"],
-                        help="default: auto (a timed trial on the job's sample picks the faster one here)")
-    parser.add_argument("--id-column", dest="id_column")
-    parser.add_argument("--text-column", dest="text_column")
-    parser.add_argument("--overlong", choices=["truncate", "reject"])
-    parser.add_argument("--max-tokens", dest="max_tokens", type=int)
-    parser.add_argument("--token-budget", dest="token_budget", type=int)
-    parser.add_argument("--max-batch-size", dest="max_batch_size", type=int)
-    parser.add_argument("--max-shard-rows", dest="max_shard_rows", type=int)
-    parser.add_argument("--tracking-uri", dest="tracking_uri")
-    parser.add_argument("--experiment")
-    parser.add_argument("--dispatch", choices=["local", "pool"],
-                        help="pool: fan shards out to the GPU work pool's shard-worker deployment")
-    parser.add_argument("--workers", type=int, help="pool: work lists, one per GPU worker run")
-    parser.add_argument("--deployment", help="pool: the shard-worker deployment (flow/deployment)")
+    short = {field: f"--{flag.replace('_', '-')}" for flag, field in FLAG_ALIASES.items()}
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for field in spec_fields(PrefectJob):
+        names = [short.get(field.path), f"--{field.path.replace('_', '-')}"]
+        names = [name for name in names if name and name not in parser._option_string_actions]  # a command's own wins
+        if field.scalar() is None or not names:
+            continue
+        if field.section not in groups:
+            groups[field.section] = _flag_group(parser, PrefectJob, field.section)
+        groups[field.section].add_argument(*names, dest=SPEC_DEST + field.path, **_flag_kind(field))
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="any JobSpec field, dotted, YAML value: --set model.engine_kwargs.max_model_len=512")
+
+
+def _flag_group(parser: argparse.ArgumentParser, job: type, section: str) -> argparse._ArgumentGroup:
+    """A section's flags under its title and description, as `--help` shows them."""
+    model = job
+    for part in filter(None, section.split(".")):
+        model = model.model_fields[part].annotation
+    title = model.model_config.get("title") or model.__name__
+    return parser.add_argument_group(f"{title} ({section}.*)" if section else f"{title}: its fields",
+                                     " ".join((model.__doc__ or "").split()) if section else None)
+
+
+def _flag_kind(field: SpecField) -> dict[str, Any]:
+    """argparse's type, choices and help for a field; no default, so an unset flag leaves the file's value."""
+    kind, choices = field.scalar()
+    default = field.default()
+    help_text = field.description + (f" (default: {default})" if default not in (None, "") else "")
+    kwargs: dict[str, Any] = {"help": help_text.replace("%", "%%"), "default": None}
+    if kind is bool:
+        return {**kwargs, "action": argparse.BooleanOptionalAction}
+    return {**kwargs, "type": kind, "choices": choices or None, "metavar": None if choices else field.name.upper()}
 
 
 def spec_from_args(args: argparse.Namespace):
@@ -154,10 +169,9 @@ def spec_from_args(args: argparse.Namespace):
     from tokenmill.tasks.job import PrefectJob
 
     overrides: dict[str, Any] = {}
-    for flag, field in FLAG_FIELDS.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            set_dotted(overrides, field, value)
+    for dest, value in vars(args).items():
+        if dest.startswith(SPEC_DEST) and value is not None:
+            set_dotted(overrides, dest.removeprefix(SPEC_DEST), value)
     for assignment in args.set:
         key, sep, raw = assignment.partition("=")
         if not sep:
@@ -356,16 +370,30 @@ def cmd_sample_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_spec_docs(args: argparse.Namespace) -> int:
+    from tokenmill.spec_docs import job_spec_markdown
+    from tokenmill.tasks.job import PrefectJob
+
+    text = job_spec_markdown(PrefectJob)  # the job as the CLI and the flows read it
+    if args.out is None:
+        print(text, end="")
+    else:
+        args.out.write_text(text)
+        print(f"Wrote {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
     from tokenmill.errors import TokenmillError
 
+    apply_cli_environment()  # before the parser: the job's flags come from PrefectJob, which imports Prefect
     args = build_parser().parse_args(argv)
-    apply_cli_environment()
     try:
         return {"run": cmd_run, "gate": cmd_gate, "calibrate": cmd_calibrate, "plan": cmd_plan,
-                "index": cmd_index, "search": cmd_search, "sample-corpus": cmd_sample_corpus}[args.command](args)
+                "index": cmd_index, "search": cmd_search, "sample-corpus": cmd_sample_corpus,
+                "spec-docs": cmd_spec_docs}[args.command](args)
     except (TokenmillError, ValidationError) as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2

@@ -32,8 +32,16 @@ from typing import Any
 from pydantic import BaseModel
 
 from tokenmill import timeline
+from tokenmill.device import device_label
 from tokenmill.digest import stable_digest
+from tokenmill.encoding import encode_rows
+from tokenmill.engine_protocol import run_engine
+from tokenmill.engines import discard_engine, engine_key, get_engine, is_open
+from tokenmill.models import resolve_model
+from tokenmill.openai_batch import input_mode
+from tokenmill.runner import plan_feed, run_batches
 from tokenmill.versions import library_versions
+from tokenmill.sampling import corpus_sample
 from tokenmill.spec import ONNX_QUANTIZATIONS, JobSpec, transformers_unsupported
 
 log = logging.getLogger(__name__)
@@ -92,17 +100,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
 
 
-def device_label() -> str:
-    """What the trial's figures hold for: the GPU's name, or the CPU's model and the cores this process may use."""
-    from tokenmill.tracking import device_name
-
-    name = device_name()
-    if name.startswith("cpu"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        name = f"{name} x{cores}"
-    return name
-
-
 def runnable_engines(spec: JobSpec) -> tuple[list[str], list[str]]:
     """(engines that can run this job here, why each other one cannot)."""
     able, why_not = [], []
@@ -133,8 +130,6 @@ def runnable_engines(spec: JobSpec) -> tuple[list[str], list[str]]:
 
 
 def _openai_batch_input(spec: JobSpec) -> bool:
-    from tokenmill.openai_batch import input_mode
-
     return input_mode(spec) is not None
 
 
@@ -203,14 +198,20 @@ _chosen_rows: dict[str, int | None] = {}  # the job rows each was chosen for
 
 
 def _process_key(spec: JobSpec) -> str:
-    from tokenmill.engines import engine_key
-
     return stable_digest(list(engine_key(spec)), 24)
 
 
 def chosen_engine(spec: JobSpec) -> EngineChoice | None:
     """The choice this process made for this spec, if it made one."""
     return _chosen.get(_process_key(spec))
+
+
+def ran_as(spec: JobSpec) -> JobSpec | None:
+    """The spec as this process ran it, for the run record: as written, or `auto` as chosen here; None
+    where `auto` chose nothing in this process (a fleet's workers chose on their own machines)."""
+    if spec.model.engine != "auto":
+        return spec
+    return resolve(spec) if chosen_engine(spec) is not None else None
 
 
 def resolve(spec: JobSpec) -> JobSpec:
@@ -234,8 +235,6 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
     seconds count as much as they cost this job; without it (a fleet worker), steady throughput
     alone decides. refresh: measure again even if the cache has figures.
     """
-    from tokenmill.models import resolve_model
-
     key_in_process = _process_key(spec)
     known = _chosen.get(key_in_process)
     if not refresh and known is not None and (job_rows is None or job_rows == _chosen_rows.get(key_in_process)):
@@ -278,8 +277,6 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
         for engine in order:
             trials.append(run_trial(spec, engine, model_path, rows))
             if engine != order[-1]:
-                from tokenmill.engines import discard_engine
-
                 discard_engine(model_path, with_engine(spec, engine))
         # a failure may be passing: retry it
         _write_cache(key, [t for t in trials if t.error is None], device, family, mean_tokens)
@@ -294,8 +291,6 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
         if out_per_row >= 0.9 * trial_cap:  # the trial's outputs ran to its cap: the job's run to theirs
             out_per_row = 0.9 * spec.generation.max_tokens * spec.generation.n
         job_tokens = job_rows * (mean_tokens + out_per_row)
-    from tokenmill.engines import is_open
-
     running = {t.engine for t in good if is_open(model_path, with_engine(spec, t.engine))}
     predicted = {}
     for t in good:
@@ -346,8 +341,6 @@ def judge_from_other_lengths(cache: dict[str, Any], family: str, mean_tokens: fl
 
 def trials_cached(spec: JobSpec) -> bool:
     """Whether choosing for this spec needs no new trial (its figures are cached, or there is one engine)."""
-    from tokenmill.models import resolve_model
-
     able, _ = runnable_engines(spec)
     if len(able) < 2 or _process_key(spec) in _chosen:
         return True
@@ -364,9 +357,6 @@ def trials_cached(spec: JobSpec) -> bool:
 
 def trial_rows(spec: JobSpec, model_path: str) -> list[list[int]]:
     """The job's sample as token ids, as the runner would encode it (overlong rows left out)."""
-    from tokenmill.encoding import encode_rows
-    from tokenmill.sampling import corpus_sample
-
     texts, _ = corpus_sample(spec, TRIAL_ROWS[spec.mode])
     encoded = encode_rows(texts, spec, model_path)
     overlong = {j for j, _ in encoded.overlong}
@@ -397,8 +387,6 @@ def _reason(best: EngineTrial, good: list[EngineTrial], predicted: dict[str, flo
 
 
 def _close_losers(spec: JobSpec, model_path: str, winner: str) -> None:
-    from tokenmill.engines import discard_engine
-
     for engine in ENGINES:
         if engine != winner:
             discard_engine(model_path, with_engine(spec, engine))
@@ -407,10 +395,6 @@ def _close_losers(spec: JobSpec, model_path: str, winner: str) -> None:
 def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]) -> EngineTrial:
     """Start `engine` (or reuse it, with its recorded start seconds), feed it the sample as the
     runner would, after one warm-up call; steady tokens/s over the timed calls."""
-    from tokenmill.engine_protocol import run_engine
-    from tokenmill.engines import get_engine
-    from tokenmill.runner import plan_feed, run_batches
-
     job = with_engine(spec, engine)
     if spec.mode == "generate":
         generation = spec.generation.model_copy(update={"max_tokens": min(spec.generation.max_tokens,

@@ -1,6 +1,7 @@
-"""What every engine is: the protocol the runner, the gate and calibration call, and what a
-generation returns. A leaf module, so engine implementations import it without importing
-each other."""
+"""What every engine is: the protocol the runner, the gate and calibration call, what a
+generation returns, and the token budget batches are cut to (the job's, else the engine's own).
+The bottom of the engines layer, so engine implementations import it without importing each
+other, and both shard pipelines (runner, openai_batch) without importing each other."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tokenmill.spec import GenerationParams, JobSpec
+from tokenmill.spec import DEFAULT_TOKEN_BUDGET, GenerationParams, JobSpec
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,13 @@ class Generation:
 
 
 class Engine(Protocol):
+    """What the runner, the gate and calibration read of an engine. An engine class subclasses it, and
+    so starts from these defaults: one batch at a time, the job's (or the default) token budget."""
+
     name: str
+    streams: int = 1  # engine calls the runner keeps in flight at once (transformers on a CPU: 2)
+    start_seconds: float = 0.0  # constructing it (model load, engine processes, warm-up), as measured
+    default_token_budget: int | None = None  # the batch budget a job that sets none gets here (None: the default)
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]: ...
 
@@ -47,3 +54,9 @@ def run_engine(engine: Engine, batch: Sequence[Sequence[int]], spec: JobSpec) ->
     if spec.mode == "embed":
         return engine.embed(batch)
     return engine.generate(batch, spec.generation)
+
+
+def token_budget(spec: JobSpec, engine: Engine | None = None) -> int:
+    """batching.token_budget, or where the job leaves it empty, the engine's own (`default_token_budget`:
+    transformers on a CPU cuts smaller batches), else DEFAULT_TOKEN_BUDGET."""
+    return spec.batching.token_budget or (engine.default_token_budget if engine else None) or DEFAULT_TOKEN_BUDGET

@@ -1,267 +1,29 @@
-"""Engines: run batches of token ids through a model.
+"""Engines: the process's registry of engines that run batches of token ids through a model.
 
 The engine takes token ids, not text: the runner tokenizes once (to measure lengths
 and cut batches) and the engine never tokenizes again. One engine per model spec is
 kept per process, because starting vLLM costs tens of seconds and a worker runs
-many shards.
+many shards. Each engine is a module of its own (tokenmill.vllm_engine, tokenmill.hf_engine)
+behind the protocol in tokenmill.engine_protocol.
 """
 
 from __future__ import annotations
 
 import atexit
-import gc
 import logging
-import os
 import threading
-import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, TypeVar
 
-import numpy as np
-
-from tokenmill import timeline
-from tokenmill.engine_protocol import Engine, Generation
-from tokenmill.processes import ProcessIdentity, is_gone, process_stat
-from tokenmill.spec import GenerationParams, JobSpec
+from tokenmill import progress, timeline
+from tokenmill.device import engine_device
+from tokenmill.engine_protocol import Engine
+from tokenmill.spec import JobSpec
+from tokenmill.storage import describe_error
+from tokenmill.vllm_engine import VLLMEngine
 
 log = logging.getLogger(__name__)
-
-# On CPU, vLLM's gpu_memory_utilization is the share of RAM given to the KV cache.
-CPU_MEMORY_SHARE = 0.3
-
-# Daemon threads vLLM's SyncMPClient starts beside the engine process
-# (vllm/v1/engine/core_client.py); close() waits for them.
-VLLM_CLIENT_THREADS = ("EngineCoreOutputQueueThread", "MPClientEngineMonitor")
-ENGINE_THREAD_JOIN_SECONDS = 30.0
-ENGINE_SHUTDOWN_SECONDS = 2.0
-
-
-class VLLMEngine:
-    name = "vllm"
-
-    def __init__(self, model_path: str, spec: JobSpec):
-        from vllm import LLM
-
-        self.model_path = model_path
-        self.engine_args = vllm_engine_args(model_path, spec)
-        log.info("Starting vLLM: %s", self.engine_args)
-        before = set(threading.enumerate())
-        started = time.perf_counter()
-        self.llm = LLM(**self.engine_args)
-        self.start_seconds = time.perf_counter() - started
-        self.client_threads = [t for t in threading.enumerate()
-                               if t not in before and t.name in VLLM_CLIENT_THREADS]
-        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self.leftovers = EngineLeftovers.watch(self.llm)
-
-    def embed(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        outputs = self.llm.embed([{"prompt_token_ids": list(ids)} for ids in batch], use_tqdm=False)
-        return [np.asarray(output.outputs.embedding, dtype=np.float32) for output in outputs]
-
-    def generate(self, batch: Sequence[Sequence[int]], params: GenerationParams,
-                 overrides: Sequence[Mapping[str, Any] | None] | None = None) -> list[Generation]:
-        """One request per row; with overrides, each row gets its own SamplingParams."""
-        from tokenmill.generation import vllm_sampling_params
-
-        if overrides is None:
-            sampling = vllm_sampling_params(params)
-        else:
-            sampling = [vllm_sampling_params(params, row) for row in overrides]
-        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in batch], sampling, use_tqdm=False)
-        return [vllm_generation(out) for out in outputs]
-
-    def close(self) -> None:
-        """Stop the engine process and wait for the client's threads to end.
-
-        Left to the interpreter's exit, the shutdown runs from a finalizer while Python is
-        tearing down: the client's daemon threads (the output socket poller, the process
-        monitor) wake up as the engine process dies, find the interpreter finalizing, and
-        are unwound out of libzmq's C++ frames, which aborts the process ("terminate called
-        without an active exception", exit 134) after a job that succeeded.
-        """
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is None:
-            return
-        client = llm.llm_engine.engine_core
-        self.leftovers.look_again()  # segments made since the start, while the engine's processes still run
-        try:
-            # vLLM waits 5 s by default for the engine process to end on SIGTERM, then kills it. On a CPU
-            # its engine core rarely ends in time (measured here: every run waited the full 5 s), and it
-            # holds nothing a finished job needs: every output is written and recorded before close.
-            client.shutdown(timeout=ENGINE_SHUTDOWN_SECONDS)
-        except Exception:  # noqa: BLE001 - a dead engine may fail to shut down; its threads still end
-            log.debug("vLLM shutdown raised", exc_info=True)
-        for thread in self.client_threads:
-            thread.join(timeout=ENGINE_THREAD_JOIN_SECONDS)
-            if thread.is_alive():
-                log.warning("vLLM client thread %s still running %.0f s after shutdown", thread.name,
-                            ENGINE_THREAD_JOIN_SECONDS)
-        del llm, client
-        gc.collect()
-        self.leftovers.unlink()
-
-
-SEGMENT_WAIT_SECONDS = 10.0  # for killed engine processes to be gone before their segments are unlinked
-
-
-class EngineLeftovers:
-    """The shared-memory segments a vLLM engine's processes made, unlinked once those processes are gone.
-
-    vLLM's engine core makes a ring buffer for its workers (shm_broadcast), its workers one each for
-    their replies, and it unlinks them only from the buffers' finalizers. close() gives the engine core
-    ENGINE_SHUTDOWN_SECONDS after SIGTERM, then vLLM kills its process tree, and killed processes unlink
-    nothing: the segments stayed in /dev/shm until multiprocessing's resource tracker (which the
-    spawned engine processes share with this one) found them at exit and warned of "leaked
-    shared_memory objects" (4 runs in 5 here). Linux only (/proc); elsewhere it finds nothing.
-    """
-
-    def __init__(self, processes: list, pids: dict[int, ProcessIdentity]):
-        self.processes = processes  # the engine core's multiprocessing.Process objects
-        self.pids = pids  # every process of the engine (the core and its descendants), by pid
-        self.segments: set[str] = set()
-
-    @classmethod
-    def watch(cls, llm) -> "EngineLeftovers":
-        try:
-            processes = list(llm.llm_engine.engine_core.resources.engine_manager.processes)
-        except AttributeError:  # an in-process engine core, or another vLLM layout: nothing to clean
-            processes = []
-        leftovers = cls(processes, {})
-        leftovers.look_again()
-        return leftovers
-
-    def look_again(self) -> None:
-        """Note the engine's processes and the psm_* segments they map now, less this process's own."""
-        try:
-            here = ProcessIdentity.current()
-            for process in self.processes:
-                for pid in _descendants(process.pid) if process.pid else []:
-                    if pid not in self.pids:
-                        stat = process_stat(pid)
-                        self.pids[pid] = ProcessIdentity(here.host, here.pid_namespace, pid, stat[1] if stat else None)
-            self.segments |= _mapped_segments(self.pids) - _mapped_segments([os.getpid()])
-        except Exception:  # noqa: BLE001 - a cleanup aid; it must never fail an engine
-            log.debug("Could not read the vLLM engine's shared memory", exc_info=True)
-
-    def unlink(self) -> None:
-        """Once every engine process is gone, unlink the segments they left and tell the tracker so."""
-        segments, self.segments = self.segments, set()
-        try:
-            if not segments:
-                return
-            if not self._gone(SEGMENT_WAIT_SECONDS):
-                log.debug("vLLM engine processes still running; left their segments to them: %s", segments)
-                return
-            from multiprocessing import resource_tracker
-
-            for name in sorted(segments):
-                try:
-                    os.unlink(f"/dev/shm/{name}")  # shm_unlink, without attaching (which would register it)
-                except FileNotFoundError:
-                    continue  # its maker unlinked it, and unregistered it
-                # Its maker registered it with the tracker (Python < 3.13 registers every segment) and,
-                # killed, never unregistered it: we do, so the tracker has nothing to warn about.
-                resource_tracker.unregister(f"/{name}", "shared_memory")
-                log.debug("Unlinked %s, left by the stopped vLLM engine", name)
-        except Exception:  # noqa: BLE001 - close() and close_engines() must go on to the next engine
-            log.debug("Could not unlink the vLLM engine's shared memory", exc_info=True)
-
-    def _gone(self, timeout: float) -> bool:
-        """Wait (bounded) for the engine's processes to end: exited, or zombies, or a new pid's holder."""
-        deadline = time.monotonic() + timeout
-        for process in self.processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        while True:
-            alive = [identity.pid for identity in self.pids.values() if not is_gone(identity)]
-            if not alive or time.monotonic() >= deadline:
-                return not alive
-            time.sleep(0.05)
-
-
-def _descendants(pid: int) -> list[int]:
-    """pid and every process under it (Linux /proc; [pid] alone where /proc has no children)."""
-    found, queue = [], [pid]
-    while queue:
-        current = queue.pop()
-        found.append(current)
-        try:
-            tasks = os.listdir(f"/proc/{current}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{current}/task/{task}/children") as handle:
-                    queue.extend(int(child) for child in handle.read().split())
-            except OSError:  # the thread ended
-                continue
-    return found
-
-
-def _mapped_segments(pids) -> set[str]:
-    """The psm_* segments these processes map, from /proc/<pid>/maps (none where there is no /proc)."""
-    names: set[str] = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as handle:
-                for line in handle:
-                    path = line.rstrip("\n").partition("/dev/shm/")[2]
-                    if path.startswith("psm_"):
-                        names.add(path.removesuffix(" (deleted)"))
-        except OSError:  # gone already, or no /proc here
-            continue
-    return names
-
-
-def vllm_generation(output) -> Generation:
-    """A vllm.RequestOutput as our Generation (every completion when n > 1)."""
-    completions = [
-        Generation(c.text, len(c.token_ids), c.finish_reason, _logprobs(c) if c.logprobs is not None else None)
-        for c in output.outputs
-    ]
-    first = completions[0]
-    return Generation(first.text, sum(c.output_tokens for c in completions), first.finish_reason, first.logprobs,
-                      tuple(completions) if len(completions) > 1 else (), int(output.num_cached_tokens or 0))
-
-
-def _logprobs(completion) -> list[dict]:
-    """Per generated token: the sampled token's logprob and the top alternatives, OpenAI's shape."""
-    entries = []
-    for token_id, top in zip(completion.token_ids, completion.logprobs):
-        chosen = top.get(token_id)
-        ranked = sorted(top.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
-        entries.append({
-            "token_id": int(token_id),
-            "token": chosen.decoded_token if chosen is not None else None,
-            "logprob": float(chosen.logprob) if chosen is not None else None,
-            "top_logprobs": [{"token_id": int(t), "token": lp.decoded_token, "logprob": float(lp.logprob)}
-                             for t, lp in ranked],
-        })
-    return entries
-
-
-def vllm_engine_args(model_path: str, spec: JobSpec) -> dict[str, Any]:
-    """vllm.LLM(...) arguments: our defaults first, the user's engine_kwargs verbatim on top."""
-    from vllm.platforms import current_platform
-
-    on_cpu = current_platform.is_cpu()
-    args: dict[str, Any] = {
-        "model": model_path,
-        "dtype": "float32" if (on_cpu and spec.model.dtype == "auto") else spec.model.dtype,
-        "max_num_seqs": spec.batching.max_batch_size,
-    }
-    if spec.mode == "embed":
-        args["runner"] = "pooling"
-    else:
-        # rows that share a prompt prefix (system prompt, few-shot turns) reuse its KV cache; the runner
-        # submits them adjacently (tokenmill.runner.prefix_order)
-        args["enable_prefix_caching"] = True
-    if spec.model.quantization:
-        args["quantization"] = spec.model.quantization
-    if on_cpu:
-        args["gpu_memory_utilization"] = CPU_MEMORY_SHARE
-    args.update(spec.model.engine_kwargs)
-    return args
-
+T = TypeVar("T")
 
 _engines: dict[tuple, Engine] = {}
 _engines_lock = threading.RLock()
@@ -273,14 +35,18 @@ def engine_key(spec: JobSpec, model_path: str | None = None) -> tuple:
             spec.batching.max_batch_size)
 
 
-def get_engine(model_path: str, spec: JobSpec) -> Engine:
-    """The process's engine for this model spec and mode, started on first use.
-    `engine: auto` is resolved first (tokenmill.engine_choice), so it shares the chosen engine."""
+def refuse_auto(spec: JobSpec) -> JobSpec:
+    """The spec, whose engine must be a real one: `engine: auto` is a choice, made above the registry
+    (tokenmill.engine_choice.resolve) before any engine is asked for."""
     if spec.model.engine == "auto":
-        from tokenmill.engine_choice import resolve
+        raise ValueError("model.engine 'auto' reached the engine registry unresolved: resolve the job first "
+                         "(tokenmill.engine_choice.resolve(spec)), then ask for the engine it chose")
+    return spec
 
-        spec = resolve(spec)
-    key = engine_key(spec, model_path)
+
+def get_engine(model_path: str, spec: JobSpec) -> Engine:
+    """The process's engine for this model spec and mode, started on first use."""
+    key = engine_key(refuse_auto(spec), model_path)
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None:
@@ -308,12 +74,8 @@ def start_engine(model_path: str, spec: JobSpec) -> Engine:
 
 def discard_engine(model_path: str, spec: JobSpec) -> None:
     """Forget (and close what is left of) the engine, so the next get_engine starts a new one."""
-    if spec.model.engine == "auto":
-        from tokenmill.engine_choice import resolve
-
-        spec = resolve(spec)
     with _engines_lock:
-        engine = _engines.pop(engine_key(spec, model_path), None)
+        engine = _engines.pop(engine_key(refuse_auto(spec), model_path), None)
     if engine is not None:
         engine.close()
 
@@ -322,6 +84,23 @@ def engine_died(exc: BaseException) -> bool:
     """Whether an error means the engine's process is gone (killed, out of memory), not a bad input."""
     names = {cls.__name__ for cls in type(exc).__mro__}
     return bool(names & {"EngineDeadError", "EngineDied"})
+
+
+def with_one_restart(run: Callable[[Engine], T], engine: Engine | None, model_path: str, spec: JobSpec,
+                     shard_id: str) -> T:
+    """run(engine), on the process's engine for the spec where none is given. An engine whose process
+    died (killed, out of memory: not a bad row) is started again once and run goes again on the new
+    one; a second death fails the shard."""
+    try:
+        return run(engine if engine is not None else get_engine(model_path, spec))
+    except Exception as exc:
+        if not engine_died(exc):
+            raise
+        log.warning("engine died during shard %s (%s); restarting it once and retrying the shard",
+                    shard_id, describe_error(exc))
+        progress.emit("shard_restarted", shard_id=shard_id)
+        discard_engine(model_path, spec)
+        return run(get_engine(model_path, spec))
 
 
 def close_engines() -> None:
@@ -385,34 +164,12 @@ def engine_scope() -> Iterator[None]:
 
 def running_streams(model_path: str, spec: JobSpec) -> int | None:
     """Batches at once on the engine this process holds for the spec (None: no such engine open)."""
-    if spec.model.engine == "auto":
-        from tokenmill.engine_choice import chosen_engine, resolve
-
-        if chosen_engine(spec) is None:
-            return None
-        spec = resolve(spec)
     with _engines_lock:
-        engine = _engines.get(engine_key(spec, model_path))
-    return None if engine is None else int(getattr(engine, "streams", 1))
+        engine = _engines.get(engine_key(refuse_auto(spec), model_path))
+    return None if engine is None else engine.streams
 
 
 def describe_engine(spec: JobSpec | None = None) -> tuple[str, str]:
-    """(engine, device) for the run record."""
-    if spec is not None and spec.model.engine == "auto":
-        from tokenmill.engine_choice import chosen_engine
-
-        choice = chosen_engine(spec)
-        spec = spec.model_copy(update={"model": spec.model.model_copy(
-            update={"engine": choice.engine if choice else "vllm"})})
-    if spec is not None and spec.model.engine == "onnxruntime":
-        return "onnxruntime", "cpu"
-    if spec is not None and spec.model.engine == "transformers":
-        import torch
-
-        return "transformers", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    try:
-        from vllm.platforms import current_platform
-
-        return "vllm", "cpu" if current_platform.is_cpu() else str(current_platform.device_name)
-    except Exception:  # noqa: BLE001
-        return "vllm", "unknown"
+    """(engine, device) for the run record (no spec: vLLM's)."""
+    engine = refuse_auto(spec).model.engine if spec is not None else "vllm"
+    return engine, engine_device(engine)

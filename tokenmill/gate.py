@@ -23,13 +23,14 @@ from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.economics import RunCost
 from tokenmill.encoding import encode_rows
 from tokenmill.digest import stable_digest
-from tokenmill.engine_choice import TRIAL_LIBRARIES, cache_dir, device_label, length_class, resolve
-from tokenmill.engine_protocol import Engine
+from tokenmill.device import device_label
+from tokenmill.engine_choice import TRIAL_LIBRARIES, cache_dir, length_class, resolve
+from tokenmill.engine_protocol import Engine, token_budget
 from tokenmill.engines import discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
 from tokenmill.generation import OutputChecker, check_response_format, parsed_agreement
 from tokenmill.models import resolve_model
-from tokenmill.runner import run_batches, token_budget
+from tokenmill.runner import run_batches
 from tokenmill.sampling import corpus_sample
 from tokenmill.spec import GateSpec, JobSpec, ModelSpec
 from tokenmill.versions import library_versions

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from tokenmill.embedding import cpu_streams, read_pooling
+from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.spec import CPU_TOKEN_BUDGET, GenerationParams, JobSpec, transformers_unsupported
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
-class TransformersEngine:
+class TransformersEngine(Engine):
     name = "transformers"
 
     def __init__(self, model_path: str, spec: JobSpec):
@@ -56,7 +57,7 @@ class TransformersEngine:
         self._torch_threads = _process_threads(torch)
         self.streams = 1
         self.configure_streams(spec)
-        # the batch size a job leaves to the engine (tokenmill.runner.token_budget): embedding on a CPU, small
+        # the batch size a job leaves to the engine (tokenmill.engine_protocol.token_budget): embedding on a CPU, small
         # batches, two at once (see CPU_TOKEN_BUDGET); generation and GPUs keep the general default
         self.default_token_budget = CPU_TOKEN_BUDGET if self.device.type == "cpu" and spec.mode == "embed" else None
         self.start_seconds = time.perf_counter() - started
@@ -116,8 +117,6 @@ class TransformersEngine:
         """What Hugging Face `generate` has of vLLM's sampling: n (sampling only), stop strings and token
         ids, top_k, min_p, repetition_penalty, min_tokens, seed. The rest is refused when the job is
         validated (tokenmill.spec.transformers_unsupported); per-row overrides are vLLM's alone."""
-        from tokenmill.engine_protocol import Generation
-
         if overrides is not None and any(overrides):
             raise ValueError("the transformers engine takes the job's sampling parameters only, not per-row overrides")
         unsupported = transformers_unsupported(params)

@@ -48,7 +48,11 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel
 
 from tokenmill.digest import stable_digest
+from tokenmill.encoding import encode_rows
+from tokenmill.engine_choice import resolve
+from tokenmill.engines import get_engine
 from tokenmill.errors import TokenmillError
+from tokenmill.models import resolve_model
 from tokenmill.outputs import MANIFEST, SHARDS_DIR, TEMP_DIR, OutputStore, writer_name
 from tokenmill.spec import IndexSpec, JobSpec, ModelSpec
 
@@ -542,15 +546,12 @@ class OpenIndex:
 
 
 def embed_queries(texts: list[str], model: dict[str, Any], engine: str | None = None) -> np.ndarray:
-    """The texts embedded with the job's model (as the index recorded it); `engine` overrides its engine."""
-    from tokenmill.encoding import encode_rows
-    from tokenmill.engines import get_engine
-    from tokenmill.models import resolve_model
-
+    """The texts embedded with the job's model (as the index recorded it); `engine` overrides its engine
+    (`auto` is decided here, as for a job)."""
     fields = {k: v for k, v in model.items() if k in ModelSpec.model_fields}
     if engine:
         fields["engine"] = engine
-    spec = JobSpec(mode="embed", model=ModelSpec(**fields))
+    spec = resolve(JobSpec(mode="embed", model=ModelSpec(**fields)))
     model_path = resolve_model(spec.model_name)
     encoded = encode_rows(texts, spec, model_path)
     return np.stack(get_engine(model_path, spec).embed(encoded.token_ids)).astype(np.float32)
@@ -635,8 +636,6 @@ def log_index(spec: JobSpec, report: IndexReport, run_id: str | None = None) -> 
 
 def plan_index(spec: JobSpec, rows: int, finish_hours: float, window_hours: float) -> tuple[str, dict[str, float]]:
     """`tokenmill plan`'s index lines and metrics: the build runs after the shards, so it adds to the finish."""
-    from tokenmill.models import resolve_model
-
     dim = model_dimension(resolve_model(spec.model_name))
     assumed = "" if dim else " (dimension assumed: the model's config names none)"
     estimate = estimate_index_build(rows, dim or 768, spec.index or IndexSpec())

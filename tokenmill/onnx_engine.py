@@ -19,13 +19,14 @@ from typing import Sequence
 import numpy as np
 
 from tokenmill.embedding import cpu_streams, padded_arrays, pool, read_pooling, usable_cores
+from tokenmill.engine_protocol import Engine
 from tokenmill.onnx_models import onnx_model
 from tokenmill.spec import CPU_TOKEN_BUDGET, GenerationParams, JobSpec
 
 log = logging.getLogger(__name__)
 
 
-class OnnxEngine:
+class OnnxEngine(Engine):
     name = "onnxruntime"
 
     def __init__(self, model_path: str, spec: JobSpec):

@@ -17,37 +17,50 @@ Output, per shard (written with the shard, so resume, retries and the fleet need
     _openai/shards/<shard_id>.json           the shard's counts and times
 and at the end of the job (write_batch_files):
     _openai/output.jsonl, _openai/errors.jsonl, _openai/batch.json (shaped like OpenAI's Batch object).
-Rows in = result lines + error lines.
+Rows in = result lines + error lines. The lines' own schema, both ways, is tokenmill.openai_wire.
 """
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import json
-import logging
-import math
 import posixpath
 import time
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenmill import progress
+from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.digest import stable_digest
+from tokenmill.engine_protocol import token_budget
+from tokenmill.engines import with_one_restart
 from tokenmill.errors import InputError
+from tokenmill.models import load_tokenizer, model_input_limit, resolve_model
+from tokenmill.openai_wire import (
+    CHAT,
+    COMPLETIONS,
+    ENDPOINT_MODES,
+    BatchLine,
+    ChatBody,
+    LineError,
+    ParsedLines,
+    choices_of,
+    embedding_body,
+    error_line,
+    file_mode,
+    finish_reason,
+    generation_body,
+    jsonl_bytes,
+    parse_lines,
+    result_line,
+    sniff_openai_batch,
+)
+from tokenmill.outputs import OutputStore, _embedding_array, record_shard, write_shard_tables
+from tokenmill.results import ShardResult
+from tokenmill.shards import JSONL_SUFFIXES, first_line, list_input_files, read_first_line, read_shard_bytes
 from tokenmill.spec import JobSpec
-
-log = logging.getLogger(__name__)
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-EMBEDDINGS = "/v1/embeddings"
-ENDPOINT_MODES = {CHAT: "generate", COMPLETIONS: "generate", EMBEDDINGS: "embed"}
-REQUIRED_KEYS = ("custom_id", "method", "url", "body")
 
 OPENAI_DIR = "_openai"
 OUTPUT_FILE = "output.jsonl"
@@ -55,239 +68,6 @@ ERRORS_FILE = "errors.jsonl"
 BATCH_FILE = "batch.json"
 # OpenAI's Batch object names a completion window; tokenmill has none (plan for yours: `tokenmill plan`).
 COMPLETION_WINDOW = "none"
-
-
-# --- request bodies ------------------------------------------------------------------------------
-
-class _Body(BaseModel):
-    # A field the endpoint does not take is an error for that line, not a field silently dropped.
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    user: str | None = None  # accepted and ignored, as by OpenAI's batch runner
-    metadata: dict[str, Any] | None = None
-    store: bool | None = None
-    stream: Literal[False] | None = Field(None, description="a batch answers whole; stream must be false")
-
-
-class _Sampling(_Body):
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-
-
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]]
-    name: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"content part of type {part.get('type')!r}: only text parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ResponseFormatIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
-class ChatBody(_Sampling):
-    messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormatIn | None = None
-    service_tier: str | None = None
-
-
-class CompletionBody(_Sampling):
-    prompt: str | list[int] | list[str]
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: Literal[False] | None = None
-
-
-class EmbeddingBody(_Body):
-    input: str | list[str] | list[int] | list[list[int]]
-    dimensions: int | None = Field(None, ge=1)
-    encoding_format: Literal["float", "base64"] = "float"
-
-
-BODIES: dict[str, type[_Body]] = {CHAT: ChatBody, COMPLETIONS: CompletionBody, EMBEDDINGS: EmbeddingBody}
-
-
-# --- lines -----------------------------------------------------------------------------------------
-
-@dataclass
-class BatchLine:
-    """One valid request of the file."""
-
-    offset: int  # byte offset of the line in its file
-    custom_id: str
-    url: str
-    body: Any  # ChatBody | CompletionBody | EmbeddingBody
-
-
-@dataclass
-class LineError:
-    """One line that gets an error line instead of a result."""
-
-    offset: int
-    custom_id: str | None
-    code: str
-    message: str
-    status_code: int = 400
-
-
-@dataclass
-class ParsedLines:
-    lines: list[BatchLine] = field(default_factory=list)
-    errors: list[LineError] = field(default_factory=list)
-
-    @property
-    def rows_in(self) -> int:
-        return len(self.lines) + len(self.errors)
-
-
-def parse_lines(data: bytes, byte_start: int = 0) -> ParsedLines:
-    """Every non-blank line of a byte range: a valid request or the reason it is not one."""
-    parsed = ParsedLines()
-    seen: set[str] = set()
-    offset = byte_start
-    for raw in data.split(b"\n"):
-        line_offset, offset = offset, offset + len(raw) + 1
-        if not raw.strip():
-            continue
-        result = parse_line(raw, line_offset)
-        if isinstance(result, BatchLine):
-            if result.custom_id in seen:
-                result = LineError(line_offset, result.custom_id, "duplicate_custom_id",
-                                   f"custom_id {result.custom_id!r} is used by an earlier line; each line "
-                                   "needs its own")
-            else:
-                seen.add(result.custom_id)
-        (parsed.lines if isinstance(result, BatchLine) else parsed.errors).append(result)
-    return parsed
-
-
-def parse_line(raw: bytes, offset: int = 0) -> BatchLine | LineError:
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        return LineError(offset, None, "invalid_json", f"line is not valid UTF-8 ({exc.reason} at byte {exc.start})")
-    except json.JSONDecodeError as exc:
-        return LineError(offset, None, "invalid_json", f"line is not valid JSON ({exc.msg} at column {exc.colno})")
-    if not isinstance(record, dict):
-        return LineError(offset, None, "invalid_json", f"line is a JSON {type(record).__name__}, not an object")
-    custom_id = record.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        return LineError(offset, None, "missing_custom_id", "line has no custom_id (a non-empty string)")
-    unknown = sorted(set(record) - set(REQUIRED_KEYS))
-    if unknown:
-        return LineError(offset, custom_id, "invalid_request",
-                         f"line has fields a batch line does not take: {', '.join(unknown)}")
-    method, url = record.get("method"), record.get("url")
-    if not isinstance(method, str) or method.upper() != "POST":
-        return LineError(offset, custom_id, "invalid_method", f"method {method!r} is not supported; use POST")
-    if url not in BODIES:
-        return LineError(offset, custom_id, "invalid_url",
-                         f"url {url!r} is not a supported endpoint; supported: {', '.join(BODIES)}")
-    body = record.get("body")
-    if not isinstance(body, dict):
-        return LineError(offset, custom_id, "invalid_request", "body must be a JSON object")
-    try:
-        model = BODIES[url].model_validate(body)
-        if isinstance(model, ChatBody):
-            for message in model.messages:
-                message.text()
-            if model.top_logprobs and not model.logprobs:
-                raise ValueError("top_logprobs needs logprobs: true")
-            if model.response_format and model.response_format.type == "json_schema":
-                schema = (model.response_format.json_schema or {}).get("schema")
-                if not isinstance(schema, dict):
-                    raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
-        if isinstance(model, CompletionBody) and isinstance(model.prompt, list) and model.prompt and \
-                isinstance(model.prompt[0], str) and len(model.prompt) != 1:
-            raise ValueError("prompt: one prompt per line (a list of prompts is not supported)")
-        if isinstance(model, (ChatBody, CompletionBody)) and isinstance(model.stop, list) and len(model.stop) > 4:
-            raise ValueError("stop: at most 4 sequences")
-        if isinstance(model, EmbeddingBody) and _embedding_inputs_empty(model.input):
-            raise ValueError("input must not be empty (nor hold an empty string)")
-    except ValidationError as exc:
-        return LineError(offset, custom_id, "invalid_request", f"body is not a valid {url} request: "
-                         + _first_error(exc))
-    except ValueError as exc:
-        return LineError(offset, custom_id, "invalid_request", f"body is not a valid {url} request: {exc}")
-    return BatchLine(offset, custom_id, url, model)
-
-
-def _first_error(exc: ValidationError) -> str:
-    errors = exc.errors()
-    extra = [".".join(map(str, e["loc"])) for e in errors if e["type"] == "extra_forbidden"]
-    if extra:
-        return f"fields it does not take: {', '.join(extra)}"
-    first = errors[0]
-    where = ".".join(str(p) for p in first["loc"] if not isinstance(p, str) or not p.startswith(("list[", "str")))
-    return f"{where or 'body'}: {first['msg']}"
-
-
-def _embedding_inputs_empty(value: Any) -> bool:
-    if isinstance(value, str):
-        return not value
-    return not value or any((isinstance(v, (str, list)) and not v) for v in value)
-
-
-def sniff_openai_batch(first_line: bytes) -> bool:
-    """Whether a JSONL file's first line is an OpenAI Batch request."""
-    try:
-        record = json.loads(first_line.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(record, dict) and all(key in record for key in REQUIRED_KEYS)
-
-
-def file_mode(first_line: bytes) -> str | None:
-    """The mode (embed or generate) a file's first request needs, if its first line says."""
-    try:
-        record = json.loads(first_line.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return ENDPOINT_MODES.get(record.get("url")) if isinstance(record, dict) else None
-
-
-def line_text(record: Any) -> str | None:
-    """A request's text as one string (the last user message, the prompt, the first input): what a
-    gate sample or a plain reader of the file sees."""
-    if not isinstance(record, dict) or not isinstance(record.get("body"), dict):
-        return None
-    body = record["body"]
-    if isinstance(body.get("messages"), list):
-        users = [m for m in body["messages"] if isinstance(m, dict) and m.get("role") == "user"]
-        content = (users or body["messages"] or [{}])[-1].get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        return content if isinstance(content, str) else None
-    for key in ("prompt", "input"):
-        value = body.get(key)
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            value = value[0]
-        if isinstance(value, str):
-            return value
-    return None
 
 
 # --- models ----------------------------------------------------------------------------------------
@@ -404,8 +184,6 @@ def sampling_kwargs(line: BatchLine, spec: JobSpec, prompt_tokens: int, context:
 
 
 def context_limit(spec: JobSpec, model_path: str) -> int:
-    from tokenmill.models import model_input_limit
-
     limit = spec.model.max_input_tokens or model_input_limit(model_path)
     if spec.model.engine_kwargs.get("max_model_len"):
         limit = min(limit, int(spec.model.engine_kwargs["max_model_len"]))
@@ -422,95 +200,6 @@ def matryoshka(model_path: str) -> bool:
     return bool(config.get("matryoshka_dimensions") or config.get("is_matryoshka"))
 
 
-# --- response bodies -------------------------------------------------------------------------------
-
-def _finish_reason(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
-
-
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8"))
-
-
-def _top(entry: dict[str, Any], top: int) -> list[dict[str, Any]]:
-    return [c for c in entry.get("top_logprobs") or []][:top]
-
-
-def _chat_logprobs(logprobs: list[dict] | None, top: int) -> dict[str, Any] | None:
-    if logprobs is None:
-        return None
-    content = []
-    for entry in logprobs:
-        token = entry.get("token") or ""
-        content.append({
-            "token": token, "logprob": _finite(entry.get("logprob")), "bytes": _token_bytes(token),
-            "top_logprobs": [{"token": c.get("token") or "", "logprob": _finite(c.get("logprob")),
-                              "bytes": _token_bytes(c.get("token") or "")} for c in _top(entry, top)],
-        })
-    return {"content": content, "refusal": None}
-
-
-def _completion_logprobs(logprobs: list[dict] | None, top: int) -> dict[str, Any] | None:
-    if logprobs is None:
-        return None
-    tokens, token_logprobs, tops, offsets, position = [], [], [], [], 0
-    for entry in logprobs:
-        token = entry.get("token") or ""
-        tokens.append(token)
-        token_logprobs.append(_finite(entry.get("logprob")))
-        tops.append({c.get("token") or "": _finite(c.get("logprob")) for c in _top(entry, top)})
-        offsets.append(position)
-        position += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _finite(value: float | None) -> float:
-    # JSON has no -inf; OpenAI reports -9999.0 for tokens it rules out
-    return -9999.0 if value is None or math.isnan(value) or value < -9999.0 else float(value)
-
-
-def choices_of(generation) -> tuple:
-    """Every completion of a row's Generation (n of them)."""
-    return generation.samples or (generation,)
-
-
-def generation_body(line: BatchLine, generation, prompt_tokens: int, model: str, request_key: str,
-                    created: int) -> dict[str, Any]:
-    """A chat.completion or text_completion object from one row's Generation."""
-    completions = choices_of(generation)
-    completion_tokens = sum(c.output_tokens for c in completions)
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
-    if line.url == CHAT:
-        top = line.body.top_logprobs or 0
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": _chat_logprobs(c.logprobs, top) if line.body.logprobs else None,
-                    "finish_reason": _finish_reason(c.finish_reason)}
-                   for i, c in enumerate(completions)]
-        return {"id": f"chatcmpl-{request_key}", "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": usage, "system_fingerprint": None}
-    top = line.body.logprobs or 0
-    choices = [{"index": i, "text": c.text,
-                "logprobs": _completion_logprobs(c.logprobs, top) if line.body.logprobs is not None else None,
-                "finish_reason": _finish_reason(c.finish_reason)}
-               for i, c in enumerate(completions)]
-    return {"id": f"cmpl-{request_key}", "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage, "system_fingerprint": None}
-
-
-def embedding_body(line: BatchLine, vectors: list[np.ndarray], prompt_tokens: int, model: str) -> dict[str, Any]:
-    data = []
-    for index, vector in enumerate(vectors):
-        values = np.asarray(vector, dtype=np.float32)
-        if line.body.encoding_format == "base64":
-            embedding: Any = base64.b64encode(values.astype("<f4").tobytes()).decode("ascii")
-        else:
-            embedding = values.tolist()
-        data.append({"object": "embedding", "index": index, "embedding": embedding})
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
-
-
 def cut_dimensions(vector: np.ndarray, dimensions: int | None) -> np.ndarray:
     """Matryoshka: the first `dimensions` values, normalized again (what vLLM does)."""
     if dimensions is None or dimensions >= vector.shape[0]:
@@ -518,24 +207,6 @@ def cut_dimensions(vector: np.ndarray, dimensions: int | None) -> np.ndarray:
     cut = vector[:dimensions]
     norm = float(np.linalg.norm(cut))
     return cut / norm if norm > 0 else cut
-
-
-def result_line(key: str, custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
-    return {"id": f"batch_req_{key}", "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": f"req_{key}", "body": body}, "error": None}
-
-
-def error_line(key: str, error: LineError) -> dict[str, Any]:
-    """OpenAI's error line: the error as {code, message}, and the HTTP answer it would have had."""
-    return {"id": f"batch_req_{key}", "custom_id": error.custom_id,
-            "response": {"status_code": error.status_code, "request_id": f"req_{key}",
-                         "body": {"error": {"message": error.message, "type": "invalid_request_error",
-                                            "param": None, "code": error.code}}},
-            "error": {"code": error.code, "message": error.message}}
-
-
-def _jsonl(lines: list[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n" for line in lines).encode()
 
 
 # --- one shard -------------------------------------------------------------------------------------
@@ -550,13 +221,6 @@ def shard_files(store, shard_id: str) -> dict[str, str]:
 def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
     """One shard of an OpenAI Batch file: parse, check, run each request with its own parameters,
     write the Parquet output, the rejects and the OpenAI result and error lines."""
-    from tokenmill.engines import discard_engine, engine_died, get_engine
-    from tokenmill.models import load_tokenizer, resolve_model
-    from tokenmill.outputs import OutputStore, rejects_table
-    from tokenmill.results import ShardResult
-    from tokenmill.shards import read_first_line, read_shard_bytes
-    from tokenmill.storage import describe_error
-
     started, started_at = time.perf_counter(), int(time.time())
     model_path = resolve_model(spec.model_name)
     if spec.mode == "generate" and spec.model.engine != "vllm":
@@ -567,16 +231,57 @@ def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
     store = OutputStore(spec.output, spec.storage_options)
     parsed = parse_lines(read_shard_bytes(shard, spec.storage_options), shard.byte_start)
     rows_in = parsed.rows_in
-    first = read_first_line(shard, spec.storage_options) if shard.byte_start else b""
-    first_endpoint = None
-    if first:
-        try:
-            first_endpoint = json.loads(first).get("url")
-        except (ValueError, AttributeError):
-            first_endpoint = None
+    first_endpoint = _first_endpoint(shard, spec)
     check_endpoints(parsed, spec, shard.uri, first_endpoint)
     check_models(parsed, spec, model_path)
+    runnable, truncated = _encode_requests(parsed, spec, model_path)
 
+    progress.emit("shard_started", shard_id=shard.shard_id, rows=len(runnable))
+    outputs: list = []
+    engine_seconds = 0.0
+    if runnable:
+        outputs, engine_seconds = with_one_restart(
+            lambda current: _run_requests(current, spec, runnable, shard.shard_id),
+            engine, model_path, spec, shard.shard_id)
+    results, rows, input_tokens, output_tokens = _answers(runnable, outputs, truncated, spec, shard.fingerprint)
+
+    errors = sorted(parsed.errors, key=lambda e: e.offset)
+    error_lines = [error_line(stable_digest([shard.fingerprint, e.offset], 24), e) for e in errors]
+    files = shard_files(store, shard.shard_id)
+    write_shard_tables(store, shard.shard_id, shard.uri, _output_table(rows, spec.mode),
+                       [(e.offset, e.custom_id, f"{e.code}: {e.message}") for e in errors], True)
+    store.write_bytes(files["output"], jsonl_bytes(results))
+    store.write_bytes(files["errors"], jsonl_bytes(error_lines))
+    endpoints = sorted({line.url for line, _, _ in runnable} | {
+        e for e in (first_endpoint,) if e in ENDPOINT_MODES})
+    store.write_json(files["record"], {"shard_id": shard.shard_id, "uri": shard.uri, "endpoints": endpoints,
+                                       "completed": len(results), "failed": len(error_lines),
+                                       "input_tokens": input_tokens, "output_tokens": output_tokens,
+                                       "started_at": started_at, "finished_at": int(time.time())})
+    lengths = [sum(len(ids) for ids in token_ids) for _, token_ids, _ in runnable]
+    return record_shard(store, ShardResult(
+        shard_id=shard.shard_id, fingerprint=shard.fingerprint, uri=shard.uri,
+        output=store.shard_output(shard.shard_id), rows_in=rows_in, rows_out=len(results),
+        rows_rejected=len(error_lines), rows_truncated=sum(truncated.values()), input_tokens=input_tokens,
+        output_tokens=output_tokens, batches=max(1, -(-len(runnable) // 4096)) if runnable else 0,
+        real_tokens=sum(lengths), padded_slots=sum(lengths), baseline_padded_slots=sum(lengths),
+        engine_seconds=engine_seconds, seconds=time.perf_counter() - started))
+
+
+def _first_endpoint(shard, spec: JobSpec) -> str | None:
+    """The endpoint of the file's first line, for a shard that starts further in (None for the first)."""
+    first = read_first_line(shard, spec.storage_options) if shard.byte_start else b""
+    if not first:
+        return None
+    try:
+        return json.loads(first).get("url")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _encode_requests(parsed: ParsedLines, spec: JobSpec, model_path: str):
+    """(runnable requests as (line, token ids, sampling kwargs), custom ids of the truncated ones); a
+    request that cannot run here becomes a line error in `parsed`."""
     tokenizer = load_tokenizer(model_path)
     context = context_limit(spec, model_path)
     can_cut = matryoshka(model_path) if spec.mode == "embed" else False
@@ -612,29 +317,16 @@ def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
             token_ids = [ids if len(ids) <= context else ids[: context - 1] + ids[-1:] for ids in token_ids]
             truncated[line.custom_id] = True
         runnable.append((line, token_ids, None))
+    return runnable, truncated
 
-    progress.emit("shard_started", shard_id=shard.shard_id, rows=len(runnable))
-    outputs: list = []
-    engine_seconds = 0.0
-    if runnable:
-        def run(current):
-            return _run_requests(current, spec, runnable, shard.shard_id)
-        try:
-            outputs, engine_seconds = run(engine or get_engine(model_path, spec))
-        except Exception as exc:
-            if not engine_died(exc):
-                raise
-            log.warning("engine died during shard %s (%s); restarting it once and retrying the shard",
-                        shard.shard_id, describe_error(exc))
-            progress.emit("shard_restarted", shard_id=shard.shard_id)
-            discard_engine(model_path, spec)
-            outputs, engine_seconds = run(get_engine(model_path, spec))
 
+def _answers(runnable, outputs: list, truncated: dict[str, bool], spec: JobSpec, fingerprint: str):
+    """(result lines, output rows, input tokens, output tokens) of the requests that ran."""
     created = int(time.time())
     results, rows = [], []
     input_tokens = output_tokens = 0
     for (line, token_ids, _), output in zip(runnable, outputs):
-        key = stable_digest([shard.fingerprint, line.custom_id], 24)
+        key = stable_digest([fingerprint, line.custom_id], 24)
         model = line.body.model or spec.model_name
         prompt_tokens = sum(len(ids) for ids in token_ids)
         if spec.mode == "generate":
@@ -642,7 +334,7 @@ def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
             first_choice = choices_of(output)[0]
             rows.append({"id": line.custom_id, "output_text": first_choice.text,
                          "input_tokens": prompt_tokens, "output_tokens": body["usage"]["completion_tokens"],
-                         "truncated": False, "finish_reason": _finish_reason(first_choice.finish_reason)})
+                         "truncated": False, "finish_reason": finish_reason(first_choice.finish_reason)})
             output_tokens += body["usage"]["completion_tokens"]
         else:
             vectors = [cut_dimensions(v, line.body.dimensions) for v in output]
@@ -651,36 +343,7 @@ def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
                          "output_tokens": 0, "truncated": truncated.get(line.custom_id, False)})
         input_tokens += prompt_tokens
         results.append(result_line(key, line.custom_id, body))
-
-    errors = sorted(parsed.errors, key=lambda e: e.offset)
-    error_lines = [error_line(stable_digest([shard.fingerprint, e.offset], 24), e) for e in errors]
-    files = shard_files(store, shard.shard_id)
-    store.delete(store.shard_duplicates(shard.shard_id))
-    store.write_table(store.shard_output(shard.shard_id), _output_table(rows, spec.mode))
-    store.write_table(store.shard_rejects(shard.shard_id), rejects_table(
-        shard.shard_id, shard.uri, [(e.offset, e.custom_id, f"{e.code}: {e.message}") for e in errors], True))
-    store.write_bytes(files["output"], _jsonl(results))
-    store.write_bytes(files["errors"], _jsonl(error_lines))
-    endpoints = sorted({line.url for line, _, _ in runnable} | {
-        e for e in (first_endpoint,) if e in ENDPOINT_MODES})
-    store.write_json(files["record"], {"shard_id": shard.shard_id, "uri": shard.uri, "endpoints": endpoints,
-                                       "completed": len(results), "failed": len(error_lines),
-                                       "input_tokens": input_tokens, "output_tokens": output_tokens,
-                                       "started_at": started_at, "finished_at": int(time.time())})
-    lengths = [sum(len(ids) for ids in token_ids) for _, token_ids, _ in runnable]
-    result = ShardResult(
-        shard_id=shard.shard_id, fingerprint=shard.fingerprint, uri=shard.uri,
-        output=store.shard_output(shard.shard_id), rows_in=rows_in, rows_out=len(results),
-        rows_rejected=len(error_lines), rows_truncated=sum(truncated.values()), input_tokens=input_tokens,
-        output_tokens=output_tokens, batches=max(1, -(-len(runnable) // 4096)) if runnable else 0,
-        real_tokens=sum(lengths), padded_slots=sum(lengths), baseline_padded_slots=sum(lengths),
-        engine_seconds=engine_seconds, seconds=time.perf_counter() - started)
-    if result.rows_in != result.rows_out + result.rows_rejected:
-        raise AssertionError(f"shard {shard.shard_id}: {rows_in} lines in, {len(results)} results, "
-                             f"{len(error_lines)} errors")
-    store.write_json(store.shard_record(shard.shard_id), result.model_dump())
-    progress.emit("shard_done", shard_id=shard.shard_id, result=result)
-    return result
+    return results, rows, input_tokens, output_tokens
 
 
 FEED_CHUNK_REQUESTS = 4096  # as the runner's FEED_CHUNK_ROWS: bounds memory, keeps vLLM's scheduler full
@@ -700,9 +363,6 @@ def _run_requests(engine, spec: JobSpec, runnable, shard_id: str) -> tuple[list,
             seconds += time.perf_counter() - began
             progress.emit("rows_done", shard_id=shard_id, rows=len(chunk))
         return outputs, seconds
-    from tokenmill.bucketing import plan_batches, restore_order
-    from tokenmill.runner import token_budget
-
     flat = [ids for _, token_ids, _ in runnable for ids in token_ids]
     batching = spec.batching
     batches = plan_batches([len(ids) for ids in flat], token_budget(spec, engine), batching.max_batch_size,
@@ -724,8 +384,6 @@ def _run_requests(engine, spec: JobSpec, runnable, shard_id: str) -> tuple[list,
 def _output_table(rows: list[dict[str, Any]], mode: str) -> pa.Table:
     columns: dict[str, pa.Array] = {"id": pa.array([r["id"] for r in rows], pa.string())}
     if mode == "embed":
-        from tokenmill.outputs import _embedding_array
-
         columns["embedding"] = _embedding_array([r["embedding"] for r in rows])
     else:
         columns["output_text"] = pa.array([r["output_text"] for r in rows], pa.string())
@@ -744,8 +402,6 @@ def write_batch_files(spec: JobSpec, results) -> dict[str, Any] | None:
     no shard of the job is an OpenAI Batch shard. Lines whose custom_id an earlier shard holds (the
     cross-shard audit moved them to rejects) become error lines. A file none of whose lines ran fails
     the job, after the files are written."""
-    from tokenmill.outputs import OutputStore
-
     if spec.output_format == "parquet":
         return None
     store = OutputStore(spec.output, spec.storage_options)
@@ -771,7 +427,7 @@ def write_batch_files(spec: JobSpec, results) -> dict[str, Any] | None:
             if line["custom_id"] in duplicates:
                 moved = LineError(0, line["custom_id"], "duplicate_custom_id",
                                   f"custom_id {line['custom_id']!r} is used by a line of an earlier shard")
-                errors += _jsonl([error_line(line["id"][len("batch_req_"):], moved)])
+                errors += jsonl_bytes([error_line(line["id"][len("batch_req_"):], moved)])
                 failed += 1
                 counts[1] += 1
                 continue
@@ -791,8 +447,20 @@ def write_batch_files(spec: JobSpec, results) -> dict[str, Any] | None:
     store.write_bytes(posixpath.join(folder, ERRORS_FILE), bytes(errors))
     dead = sorted(uri for uri, (done, bad) in per_file.items() if done == 0 and bad > 0)
     created_at = min(r["started_at"] for r in records.values())
-    completed_at = int(time.time())
-    batch = {
+    batch = _batch_object(spec, endpoints, dead, created_at=created_at, finalizing_at=finalizing_at,
+                          completed_at=int(time.time()), completed=completed, failed=failed,
+                          input_tokens=input_tokens, output_tokens=output_tokens)
+    store.write_json(posixpath.join(folder, BATCH_FILE), batch)
+    if dead:
+        raise InputError(", ".join(dead), f"no line is a valid request ({failed} lines failed); the reasons are in "
+                                          f"{posixpath.join(folder, ERRORS_FILE)}")
+    return batch
+
+
+def _batch_object(spec: JobSpec, endpoints: set[str], dead: list[str], *, created_at: int, finalizing_at: int,
+                  completed_at: int, completed: int, failed: int, input_tokens: int, output_tokens: int) -> dict:
+    """The job's batch.json, shaped like OpenAI's Batch object: failed when a file had no valid line."""
+    return {
         "id": f"batch_{stable_digest([spec.input, spec.output, spec.model_name], 24)}",
         "object": "batch",
         "endpoint": next(iter(endpoints)) if len(endpoints) == 1 else ",".join(sorted(endpoints)),
@@ -819,11 +487,6 @@ def write_batch_files(spec: JobSpec, results) -> dict[str, Any] | None:
         "metadata": {"tokenmill_output": spec.output,
                      "finished": dt.datetime.fromtimestamp(completed_at, dt.UTC).isoformat()},
     }
-    store.write_json(posixpath.join(folder, BATCH_FILE), batch)
-    if dead:
-        raise InputError(", ".join(dead), f"no line is a valid request ({failed} lines failed); the reasons are in "
-                                          f"{posixpath.join(folder, ERRORS_FILE)}")
-    return batch
 
 
 def _duplicate_ids(store, shard_id: str) -> set[str]:
@@ -836,8 +499,6 @@ def _duplicate_ids(store, shard_id: str) -> set[str]:
 def input_mode(spec: JobSpec) -> str | None:
     """The mode (embed or generate) the job's input asks for, when its first file is an OpenAI Batch
     file: the endpoint of that file's first line. None for any other input."""
-    from tokenmill.shards import JSONL_SUFFIXES, first_line, list_input_files
-
     if spec.format not in ("auto", "openai-batch"):
         return None
     try:

@@ -41,7 +41,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tokenmill import progress
 from tokenmill.processes import ProcessIdentity, is_gone
+from tokenmill.results import ShardResult
 from tokenmill.spec import JobSpec
 from tokenmill.storage import retry_io, url_to_fs
 
@@ -337,6 +339,24 @@ def rejects_table(shard_id: str, uri: str, rows: list[tuple[int, object, str]], 
         },
         schema=REJECTS_SCHEMA,
     )
+
+
+def write_shard_tables(store: OutputStore, shard_id: str, uri: str, output: pa.Table,
+                       rejects: list[tuple[int, object, str]], by_byte_offset: bool) -> None:
+    """A shard's output and its rejects, in place of what an earlier run of it left."""
+    store.delete(store.shard_duplicates(shard_id))  # the new output has every row; the audit re-decides
+    store.write_table(store.shard_output(shard_id), output)
+    store.write_table(store.shard_rejects(shard_id), rejects_table(shard_id, uri, rejects, by_byte_offset))
+
+
+def record_shard(store: OutputStore, result: ShardResult) -> ShardResult:
+    """The finished shard's record, once its rows add up: rows in = rows out + rows rejected."""
+    if result.rows_in != result.rows_out + result.rows_rejected:  # the one invariant we never break
+        raise AssertionError(f"shard {result.shard_id}: {result.rows_in} rows in, {result.rows_out} out, "
+                             f"{result.rows_rejected} rejected")
+    store.write_json(store.shard_record(result.shard_id), result.model_dump())
+    progress.emit("shard_done", shard_id=result.shard_id, result=result)
+    return result
 
 
 def _protocols(fs) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from functools import partial
 
 import pyarrow as pa
 
@@ -21,16 +22,16 @@ from tokenmill.bucketing import (
     restore_order,
 )
 from tokenmill.encoding import EncodedRows, encode_rows
-from tokenmill.engine_protocol import Engine, run_engine
-from tokenmill.engines import discard_engine, engine_died, get_engine
+from tokenmill.engine_protocol import Engine, run_engine, token_budget
+from tokenmill.engines import get_engine, with_one_restart
 from tokenmill.memory import HeapGuard, release_freed_heap
 from tokenmill.models import resolve_model
-from tokenmill.outputs import OutputStore, build_output, rejects_table, structured_invalid_rows
+from tokenmill.openai_batch import run_openai_batch_shard
+from tokenmill.outputs import OutputStore, build_output, record_shard, structured_invalid_rows, write_shard_tables
 from tokenmill.prompts import prefix_order, prompt_inputs, read_columns, validate_job_rows
 from tokenmill.results import ShardResult
 from tokenmill.shards import ROW_NUMBER, ShardSpec, read_shard
-from tokenmill.spec import DEFAULT_TOKEN_BUDGET, JobSpec
-from tokenmill.storage import describe_error
+from tokenmill.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,6 @@ WHOLE_FEED_MODES = frozenset({"generate"})
 
 def engine_pads(engine_name: str) -> bool:
     return engine_name not in UNPADDED_ENGINES
-
-
-def token_budget(spec: JobSpec, engine: Engine | None = None) -> int:
-    """batching.token_budget, or where the job leaves it empty, the engine's own (`default_token_budget`:
-    transformers on a CPU cuts smaller batches), else DEFAULT_TOKEN_BUDGET."""
-    return spec.batching.token_budget or getattr(engine, "default_token_budget", None) or DEFAULT_TOKEN_BUDGET
 
 
 def plan_feed(lengths: list[int], spec: JobSpec, engine_name: str, engine: Engine | None = None) -> list[list[int]]:
@@ -84,9 +79,9 @@ def feed_padding(lengths: list[int], calls: list[list[int]], engine_name: str) -
 
 
 def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> ShardResult:
+    """One shard of the resolved job (`engine: auto` already chosen: tokenmill.engine_choice.resolve), on
+    `engine`, or on the process's engine for the job when there are rows to run."""
     if shard.format == "openai-batch":  # a request per line, each with its own parameters
-        from tokenmill.openai_batch import run_openai_batch_shard
-
         return run_openai_batch_shard(shard, spec, engine)
     started = time.perf_counter()
     timeline.mark("first_shard_started")
@@ -97,89 +92,72 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     rows_in = table.num_rows + len(unreadable)
     validated = validate_job_rows(table, shard.uri, spec)
     rejects = [(row, None, reason) for row, reason in unreadable] + validated.rejects
-    valid = validated.valid
-
-    encoded = encode_rows(prompt_inputs(valid, spec), spec, model_path)
-    if encoded.overlong:
-        row_numbers = valid.column(ROW_NUMBER).to_pylist()
-        ids = valid.column(spec.id_column).to_pylist()
-        rejects += [(row_numbers[i], ids[i], reason) for i, reason in encoded.overlong]
-        keep = sorted(set(range(valid.num_rows)) - {i for i, _ in encoded.overlong})
-        valid = valid.take(pa.array(keep, pa.int64()))
-        encoded = EncodedRows(
-            token_ids=[encoded.token_ids[i] for i in keep],
-            truncated=[encoded.truncated[i] for i in keep],
-            overlong=[],
-        )
+    encoded = encode_rows(prompt_inputs(validated.valid, spec), spec, model_path)
+    valid, encoded, overlong = _drop_overlong(validated.valid, encoded, spec)
+    rejects += overlong
 
     lengths = [len(ids) for ids in encoded.token_ids]
     if engine is None and lengths:
-        engine = get_engine(model_path, spec)  # `auto` resolves here; how to feed depends on which engine
+        engine = get_engine(model_path, spec)  # the engine the job was resolved to; how to feed depends on it
     engine_name = engine.name if engine is not None else spec.model.engine
-    batches = plan_feed(lengths, spec, engine_name, engine)
-    if spec.mode == "generate" and not engine_pads(engine_name):
-        order = prefix_order(encoded.token_ids)  # shared prompt prefixes adjacent, for the prefix cache
-        batches = [[order[i] for i in batch] for batch in batches]
+    batches = _feed(encoded.token_ids, spec, engine_name, engine)
     progress.emit("shard_started", shard_id=shard.shard_id, rows=valid.num_rows)
     engine_seconds = 0.0
     results_by_batch: list = []
     if batches:
         timeline.mark("first_engine_call")  # a job's shards only: a gate's sample runs through run_batches too
-        try:
-            results_by_batch, engine_seconds = run_batches(engine, batches, encoded.token_ids, spec,
-                                                           shard.shard_id)
-        except Exception as exc:
-            if not engine_died(exc):
-                raise
-            # A killed or crashed engine process, not a bad row: start a new engine once and redo this
-            # shard's batches. A second death fails the shard.
-            log.warning("engine died during shard %s (%s); restarting it once and retrying the shard",
-                        shard.shard_id, describe_error(exc))
-            progress.emit("shard_restarted", shard_id=shard.shard_id)
-            discard_engine(model_path, spec)
-            results_by_batch, engine_seconds = run_batches(get_engine(model_path, spec), batches,
-                                                           encoded.token_ids, spec, shard.shard_id)
+        results_by_batch, engine_seconds = with_one_restart(
+            partial(run_batches, batches=batches, token_ids=encoded.token_ids, spec=spec, shard_id=shard.shard_id),
+            engine, model_path, spec, shard.shard_id)
     results = restore_order(batches, results_by_batch)
 
     output = build_output(valid, spec, results, lengths, encoded.truncated)
     structured_invalid = structured_invalid_rows(output)
-    store.delete(store.shard_duplicates(shard.shard_id))  # the new output has every row; the audit re-decides
-    store.write_table(store.shard_output(shard.shard_id), output)
-    store.write_table(
-        store.shard_rejects(shard.shard_id),
-        rejects_table(shard.shard_id, shard.uri, sorted(rejects, key=lambda r: r[0]), shard.format == "jsonl"),
-    )
+    write_shard_tables(store, shard.shard_id, shard.uri, output, sorted(rejects, key=lambda r: r[0]),
+                       shard.format == "jsonl")
     ours = feed_padding(lengths, batches, engine_name)
     baseline = padding_stats(lengths, fixed_batches(len(lengths), spec.batching.baseline_batch_size))
     result = ShardResult(
-        shard_id=shard.shard_id,
-        fingerprint=shard.fingerprint,
-        uri=shard.uri,
-        output=store.shard_output(shard.shard_id),
-        rows_in=rows_in,
-        rows_out=output.num_rows,
-        rows_rejected=len(rejects),
-        rows_truncated=sum(encoded.truncated),
-        input_tokens=sum(lengths),
-        output_tokens=int(pa.compute.sum(output.column("output_tokens")).as_py() or 0),
-        batches=len(batches),
-        real_tokens=ours.real_tokens,
-        padded_slots=ours.padded_slots,
-        baseline_padded_slots=baseline.padded_slots,
-        engine_seconds=engine_seconds,
-        seconds=time.perf_counter() - started,
-        engine=engine_name if batches else "",
+        shard_id=shard.shard_id, fingerprint=shard.fingerprint, uri=shard.uri,
+        output=store.shard_output(shard.shard_id), rows_in=rows_in, rows_out=output.num_rows,
+        rows_rejected=len(rejects), rows_truncated=sum(encoded.truncated), input_tokens=sum(lengths),
+        output_tokens=int(pa.compute.sum(output.column("output_tokens")).as_py() or 0), batches=len(batches),
+        real_tokens=ours.real_tokens, padded_slots=ours.padded_slots, baseline_padded_slots=baseline.padded_slots,
+        engine_seconds=engine_seconds, seconds=time.perf_counter() - started, engine=engine_name if batches else "",
         structured_invalid_rows=structured_invalid,
         prompt_cached_tokens=sum(g.cached_prompt_tokens for g in results)
         if spec.mode == "generate" and engine_name in UNPADDED_ENGINES else None,
     )
-    if result.rows_in != result.rows_out + result.rows_rejected:  # the one invariant we never break
-        raise AssertionError(f"shard {shard.shard_id}: {rows_in} rows in, {output.num_rows} out, {len(rejects)} rejected")
-    store.write_json(store.shard_record(shard.shard_id), result.model_dump())
-    progress.emit("shard_done", shard_id=shard.shard_id, result=result)
+    record_shard(store, result)
     del output, results, results_by_batch, encoded, table, valid
     release_freed_heap()  # the shard's activations and tables: back to the system, not kept by the heap
     return result
+
+
+def _drop_overlong(valid: pa.Table, encoded: EncodedRows, spec: JobSpec) -> tuple[pa.Table, EncodedRows, list]:
+    """The rows over the model's input limit (overlong: reject) out of the shard, as rejects with their reason."""
+    if not encoded.overlong:
+        return valid, encoded, []
+    row_numbers = valid.column(ROW_NUMBER).to_pylist()
+    ids = valid.column(spec.id_column).to_pylist()
+    rejects = [(row_numbers[i], ids[i], reason) for i, reason in encoded.overlong]
+    keep = sorted(set(range(valid.num_rows)) - {i for i, _ in encoded.overlong})
+    kept = EncodedRows(
+        token_ids=[encoded.token_ids[i] for i in keep],
+        truncated=[encoded.truncated[i] for i in keep],
+        overlong=[],
+    )
+    return valid.take(pa.array(keep, pa.int64())), kept, rejects
+
+
+def _feed(token_ids: list[list[int]], spec: JobSpec, engine_name: str, engine: Engine | None) -> list[list[int]]:
+    """The shard's engine calls (plan_feed); generating on an engine that does not pad, rows that share a
+    prompt prefix go adjacent, for its prefix cache."""
+    batches = plan_feed([len(ids) for ids in token_ids], spec, engine_name, engine)
+    if spec.mode == "generate" and not engine_pads(engine_name):
+        order = prefix_order(token_ids)
+        batches = [[order[i] for i in batch] for batch in batches]
+    return batches
 
 
 def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[int]], spec: JobSpec,
@@ -188,7 +166,7 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
     batch, seconds in the engine). An engine with `streams` > 1 (transformers on CPU) gets that many calls
     at once, from as many threads; results keep the batches' order either way. shard_id None: no progress
     events (an engine trial's sample is not the job's rows)."""
-    streams = max(1, int(getattr(engine, "streams", 1)))  # >1 only for transformers embedding on a CPU
+    streams = max(1, engine.streams)  # >1 only for transformers embedding on a CPU
     heap = HeapGuard()  # an in-process engine's freed activations, given back when they stop being reused
     results_by_batch: list = [None] * len(batches)
     if streams == 1:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tokenmill.digest import stable_digest
 from tokenmill.errors import InputError
-from tokenmill.openai_batch import line_text, sniff_openai_batch
+from tokenmill.openai_wire import line_text, sniff_openai_batch
 from tokenmill.spec import JobSpec
 from tokenmill.storage import is_transient, retry_io, url_to_fs
 

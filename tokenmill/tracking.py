@@ -14,7 +14,6 @@ import getpass
 import json
 import logging
 import os
-import platform
 import subprocess
 import tempfile
 import threading
@@ -26,6 +25,7 @@ from typing import Any, Iterable, Iterator
 
 from tokenmill.bucketing import PaddingStats
 from tokenmill.calibrate import Calibration
+from tokenmill.device import device_name
 from tokenmill.digest import stable_digest
 from tokenmill.economics import RunCost
 from tokenmill.errors import ConfigError
@@ -455,53 +455,6 @@ def git_commit() -> tuple[str | None, bool]:
     except (OSError, subprocess.SubprocessError):
         return None, False
     return commit or None, bool(changes)
-
-
-def device_name() -> str:
-    """The GPU's name from NVML (not CUDA: initializing CUDA here would force vLLM to spawn its
-    workers), else the CPU's."""
-    gpu = _nvml_device_name()
-    if gpu:
-        return gpu
-    return f"cpu: {cpu_model()}"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo where there is one)."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return model
-
-
-def _nvml_device_name() -> str | None:
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no driver: no GPU
-        return None
-    try:
-        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-        count = len(visible) if "CUDA_VISIBLE_DEVICES" in os.environ else pynvml.nvmlDeviceGetCount()
-        if count == 0:
-            return None
-        first = visible[0] if visible else "0"
-        handle = (pynvml.nvmlDeviceGetHandleByIndex(int(first)) if first.isdigit()
-                  else pynvml.nvmlDeviceGetHandleByUUID(first))
-        name = pynvml.nvmlDeviceGetName(handle)
-        name = name.decode() if isinstance(name, bytes) else name
-        return f"{count}x {name}" if count > 1 else name
-    except Exception:  # noqa: BLE001
-        return None
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def _process_tags() -> dict[str, str | None]:
