@@ -151,9 +151,8 @@ def shard_table(spec: JobSpec, results: list[ShardResult], cached: set[str]) -> 
         else:
             row["tokens"] = r.input_tokens
         tokens = r.input_tokens + r.output_tokens
-        row.update({"tokens/s": round(tokens / r.seconds) if r.seconds > 0 else 0,
-                    "padding": f"{r.padding_fraction:.1%}", "seconds": round(r.seconds, 1),
-                    "cached": "yes" if r.shard_id in cached else "no"})
+        row.update({"tokens/s": round(tokens / r.seconds) if r.seconds > 0 else 0, "seconds": round(r.seconds, 1),
+                    "padding": f"{r.padding_fraction:.1%}", "cached": "yes" if r.shard_id in cached else "no"})
         rows.append(row)
     return rows
 
