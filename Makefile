@@ -1,5 +1,6 @@
-# tokenmill: `make run` runs the demo job, `make test` runs the tests, `make bench` the benchmarks.
-# Both create .venv and install on first use. ENGINE=gpu installs vLLM's CUDA build instead.
+# tokenmill: `make run` runs the demo job, `make test` runs the tests, `make bench` the benchmarks,
+# `make ui-screenshots` the README's screenshots of the Prefect UI.
+# Each creates .venv and installs on first use. ENGINE=gpu installs vLLM's CUDA build instead.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +14,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean ui-screenshots
 
 install: $(STAMP)
 
@@ -49,6 +50,17 @@ bench: $(STAMP)
 
 clean:
 	rm -rf output mlflow.db mlruns
+
+# The Prefect UI in headless Chromium (tests/test_ui_browser.py; apt-get installs Chromium where it is
+# missing): the test's screenshots go to output/ui-screenshots/, and the two the README shows to docs/img/.
+UI_SCREENSHOTS ?= output/ui-screenshots
+
+ui-screenshots: $(STAMP)
+	rm -rf $(UI_SCREENSHOTS)
+	TOKENMILL_UI_SCREENSHOTS=$(UI_SCREENSHOTS) $(BIN)/python -m pytest -m browser tests/test_ui_browser.py
+	mkdir -p docs/img
+	cp $(UI_SCREENSHOTS)/form.png docs/img/prefect-ui-form.png
+	cp $(UI_SCREENSHOTS)/run.png docs/img/prefect-ui-run.png
 
 # GPU figures (bench/README.md). Here, once, with PyPI: `make gpu-kit` builds the ignored .gpukit/. On the lent GPU
 # machine, with no venv and no network: `make bench-gpu` (its system python3, the carried wheels and models).

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.fleet
 class Fleet:
     """A Prefect server and the workers started against it."""
 
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, ui: bool = False):
         self.home = home
         self.port = _free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
@@ -46,7 +46,7 @@ class Fleet:
             PREFECT_API_URL=self.api_url,
             PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
             PREFECT_SERVER_ANALYTICS_ENABLED="false",
-            PREFECT_UI_ENABLED="false",
+            PREFECT_UI_ENABLED="true" if ui else "false",
             PREFECT_WORKER_QUERY_SECONDS="1",
             PREFECT_WORKER_HEARTBEAT_SECONDS="5",
             PREFECT_LOGGING_LEVEL="INFO",
@@ -191,10 +191,8 @@ def _worker_runs(client, parent_id):
         any_=[parent_id])))
 
 
-@pytest.fixture(scope="module")
-def deployed(fleet):
-    """Pools from infra/, deployments from deployments/prefect.yaml, and workers: one on the CPU
-    pool for the orchestrator, two on the GPU pool, one flow run at a time each (one GPU each)."""
+def deploy(fleet: Fleet):
+    """Pools from infra/ and the deployments of deployments/prefect.yaml; returns tokenmill-batch/on-demand."""
     for pool in ("tokenmill-cpu", "tokenmill-gpu-spot"):
         fleet.cli("work-pool", "create", pool, "--type", "process",
                   "--base-job-template", str(REPO / "infra" / "process-pool.json"))
@@ -208,6 +206,14 @@ def deployed(fleet):
         assert "spec" in on_demand.parameter_openapi_schema["properties"]  # the UI's JobSpec form
         worker = client.read_deployment_by_name("tokenmill-shard-worker/gpu-spot")
         assert worker.work_pool_name == "tokenmill-gpu-spot"
+    return on_demand
+
+
+@pytest.fixture(scope="module")
+def deployed(fleet):
+    """deploy(), and workers: one on the CPU pool for the orchestrator, two on the GPU pool, one flow
+    run at a time each (one GPU each)."""
+    on_demand = deploy(fleet)
     fleet.start("worker", "start", "--pool", "tokenmill-cpu", "--type", "process", "--name", "cpu-1",
                 "--limit", "1", log="worker-cpu.log")
     for n in (1, 2):

@@ -3,6 +3,7 @@ deploy` stores), validated the way the Prefect server validates a run's paramete
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -11,7 +12,15 @@ from prefect.utilities.schema_tools.validation import ValidationError as SchemaE
 from prefect.utilities.schema_tools.validation import validate
 from pydantic import ValidationError
 
-from tokenmill.spec import DEFAULT_INPUT, DTYPES, QUANTIZATIONS, JobSpec, ModelSpec, _vllm_quantizations
+from tokenmill.spec import (
+    DEFAULT_INPUT,
+    DTYPES,
+    QUANTIZATIONS,
+    GenerationParams,
+    JobSpec,
+    ModelSpec,
+    _vllm_quantizations,
+)
 
 
 def _batch_flow():
@@ -29,9 +38,8 @@ def schema() -> dict:
 
 
 def _label(schema: dict, prop: dict) -> str | None:
-    """The form's label for a property: its own title, else its definition's (a bare $ref)."""
-    if "$ref" in prop:
-        return prop.get("title") or schema["definitions"][prop["$ref"].rsplit("/", 1)[1]]["title"]
+    """The form's label for a property: its own title. Prefect's form does not read a $ref's definition
+    for it; without a title it shows the field's name, title-cased ("Openai Batch")."""
     return prop.get("title")
 
 
@@ -48,6 +56,30 @@ def test_every_section_has_a_title_and_every_field_a_description(schema):
     titles = [d["title"] for d in definitions.values()]
     assert len(set(titles)) == len(titles), titles
     assert definitions["GateSpec"]["properties"]["reference"]["title"] == "Reference model"
+
+
+def _properties(schema: dict):
+    for name, definition in schema["definitions"].items():
+        for key, prop in definition["properties"].items():
+            yield f"{name}.{key}", prop
+
+
+def test_labels_spell_acronyms_and_descriptions_survive_the_markdown(schema):
+    # The form renders descriptions as markdown with HTML: a bare <output> vanishes from the text.
+    for where, prop in _properties(schema):
+        words = set(re.findall(r"[A-Za-z]+", prop["title"]))
+        assert not words & {"Usd", "Gpu", "Cpu", "Mlflow", "Uri", "Id", "Ids", "Json", "Hnsw", "Openai", "Ivf", "Pq"}, \
+            f"{where}: {prop['title']!r}"
+        assert not re.search(r"<[a-z]", re.sub(r"`[^`]*`", "", prop["description"])), f"{where}: {prop['description']}"
+    # choices are named for what they mean, not for their JSON types ("list", "str")
+    job = schema["definitions"]["PrefectJob"]["properties"]
+    assert [o["title"] for o in job["passthrough_columns"]["anyOf"]] == ["Columns", "All columns"]
+    assert job["passthrough_columns"]["anyOf"][1]["enum"] == ["all"]  # a const shows as an empty, locked box
+    name = schema["definitions"]["ModelSpec"]["properties"]["name"]
+    assert [o["title"] for o in name["anyOf"]] == ["Path or Hugging Face name", "Built-in model"]
+    assert {"all-MiniLM-L6-v2", "SmolLM2-135M-Instruct"} <= set(name["anyOf"][1]["enum"])
+    messages = schema["definitions"]["GenerationParams"]["properties"]["messages"]
+    assert messages["default"] == [m.model_dump() for m in GenerationParams().messages]  # the form shows the prompt
 
 
 def test_dtype_and_quantization_offer_the_known_values(schema):

@@ -304,3 +304,23 @@ def test_a_killed_job_is_closed_killed_and_the_next_run_links_to_it_and_resumes(
     assert "prefect.flow_run_id" in resumed.data.tags
     assert "prefect.flow_run_url" not in resumed.data.tags  # the ephemeral API: no server to link to
     assert len(_runs(uri)) == 2
+
+
+def test_the_prefect_shards_table_reads_as_words_and_percent(tmp_path):
+    from tokenmill.results import ShardResult
+    from tokenmill.tasks.record import shard_table
+
+    def result(shard_id: str, **figures) -> ShardResult:
+        return ShardResult(shard_id=shard_id, fingerprint="f", uri="u", output="o", rows_in=10, rows_out=9,
+                           rows_rejected=1, rows_truncated=0, input_tokens=300, output_tokens=0, batches=2,
+                           real_tokens=300, padded_slots=400, baseline_padded_slots=600, engine_seconds=1.0,
+                           seconds=2.0, **figures)
+
+    [row, cached] = shard_table(_spec(tmp_path), [result("a"), result("b")], {"b"})
+    assert list(row.items()) == list({"shard": "a", "rows in": 10, "rows out": 9, "rejected": 1, "truncated": 0, "tokens": 300,
+                   "tokens/s": 150, "seconds": 2.0, "padding": "25.0%", "cached": "no"}.items())  # in this order
+    assert cached["cached"] == "yes"
+    generate = _spec(tmp_path, mode="generate", model={"engine": "vllm"},
+                     generation={"response_format": {"choice": ["yes", "no"]}})
+    [row] = shard_table(generate, [result("a", structured_invalid_rows=2)], set())
+    assert (row["tokens in"], row["tokens out"], row["invalid outputs"]) == (300, 0, 2) and "tokens" not in row

@@ -21,6 +21,7 @@ DEFAULT_EMBED_MODEL = "all-MiniLM-L6-v2"
 DEFAULT_GENERATE_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_INPUT = "data/sample-corpus"
 DEFAULT_OUTPUT = "output/sample-corpus"
+DEFAULT_PROMPT = "Summarize the following text in one sentence.\n\n{text}"
 
 # dtypes both engines take, and the other names vLLM or torch users write for them
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -70,6 +71,15 @@ def _quantization_form(schema: dict[str, Any]) -> None:
     ]
 
 
+def _model_name_form(schema: dict[str, Any]) -> None:
+    # Two choices in the form: any path or Hugging Face name (empty: the mode's default), or a built-in model.
+    schema.pop("type", None)
+    schema["anyOf"] = [
+        {"type": "string", "title": "Path or Hugging Face name"},
+        {"type": "string", "enum": [DEFAULT_EMBED_MODEL, DEFAULT_GENERATE_MODEL], "title": "Built-in model"},
+    ]
+
+
 class ModelSpec(_Spec):
     """Which model to run, on which engine, and how to load it."""
 
@@ -79,6 +89,7 @@ class ModelSpec(_Spec):
         "",
         description="A local path, a Hugging Face name, or a built-in alias "
         f"({DEFAULT_EMBED_MODEL}, {DEFAULT_GENERATE_MODEL}). Empty: the default for the mode.",
+        json_schema_extra=_model_name_form,
     )
     engine: Literal["auto", "vllm", "transformers", "onnxruntime"] = Field(
         "auto",
@@ -116,6 +127,7 @@ class ModelSpec(_Spec):
     cpu_streams: int = Field(
         0,
         ge=0,
+        title="CPU Streams",
         description="transformers engine embedding on CPU: batches run at once, each on its share of the "
         "cores (torch threads = cores / streams), at most one per core. 0: auto, 2 where there are 2 or more "
         "cores (on 2 cores, +16-19% documents/s over one batch on both cores, short to 256-token rows); with "
@@ -171,13 +183,20 @@ class ChatMessage(_Spec):
         "{column} by that column's value.")
 
 
+def _json_schema_form(schema: dict[str, Any]) -> None:
+    # the form's choices by name rather than by JSON type ("dict", "str")
+    inline, path, _ = schema["anyOf"]
+    inline["title"], path["title"] = "Inline", "Path of a .json file"
+
+
 class ResponseFormat(_Spec):
     """A constraint on every output (vLLM structured outputs): exactly one of the fields."""
 
     model_config = ConfigDict(title="Response format")
 
     json_schema: dict[str, Any] | str | None = Field(
-        None, description="A JSON schema, inline (a mapping) or as the path of a .json file.")
+        None, title="JSON Schema", description="A JSON schema, inline (a mapping) or as the path of a .json file.",
+        json_schema_extra=_json_schema_form)
     pydantic_model: str | None = Field(
         None, description="An importable pydantic model whose JSON schema is used: 'package.module:Class' "
         "(or 'package.module.Class').")
@@ -206,14 +225,14 @@ class GenerationParams(_Spec):
     temperature: float = Field(
         0.0, ge=0.0, description="Sampling temperature; 0 is greedy: the same output for the same input.")
     top_p: float = Field(
-        1.0, gt=0.0, le=1.0, description="Nucleus sampling: draw from the most likely tokens whose probabilities "
+        1.0, gt=0.0, le=1.0, title="Top-p",
+        description="Nucleus sampling: draw from the most likely tokens whose probabilities "
         "add up to this share (0 to 1]; 1 keeps every token.")
     seed: int | None = Field(
         0, description="Random seed of sampling, so a rerun samples the same tokens. Empty: a fresh seed each run.")
     messages: list[ChatMessage] | None = Field(
-        default_factory=lambda: [
-            ChatMessage(role="user", content="Summarize the following text in one sentence.\n\n{text}")
-        ],
+        default_factory=lambda: [ChatMessage(role="user", content=DEFAULT_PROMPT)],
+        json_schema_extra={"default": [{"role": "user", "content": DEFAULT_PROMPT}]},  # the form shows it
         description="Chat messages rendered with the model's chat template. "
         "Set to null to use prompt_template as a plain completion prompt.",
     )
@@ -222,12 +241,16 @@ class GenerationParams(_Spec):
         None, description="A column holding each row's own chat (a list of {role, content}); when set, it is "
         "the prompt, and messages and prompt_template are not used.")
     # Sampling as vLLM has it (vllm.SamplingParams); the defaults change nothing.
-    n: int = Field(1, ge=1, description="Completions per row; above 1, output_text is a list of n strings.")
+    n: int = Field(
+        1, ge=1, title="Completions per Row (n)",
+        description="Completions per row; above 1, output_text is a list of n strings.")
     stop: list[str] | None = Field(None, description="Strings that end a completion (not included in it).")
-    stop_token_ids: list[int] | None = Field(None, description="Token ids that end a completion.")
-    top_k: int = Field(0, ge=0, description="Sample from the k most likely tokens; 0 keeps every token.")
+    stop_token_ids: list[int] | None = Field(
+        None, title="Stop Token IDs", description="Token ids that end a completion.")
+    top_k: int = Field(0, ge=0, title="Top-k", description="Sample from the k most likely tokens; 0 keeps every token.")
     min_p: float = Field(
-        0.0, ge=0.0, le=1.0, description="Drop tokens less likely than this share of the most likely one.")
+        0.0, ge=0.0, le=1.0, title="Min-p",
+        description="Drop tokens less likely than this share of the most likely one.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalty on tokens already generated.")
     frequency_penalty: float = Field(
         0.0, ge=-2.0, le=2.0, description="Penalty on tokens by how often they were generated.")
@@ -298,10 +321,14 @@ class PricingSpec(_Spec):
     model_config = ConfigDict(title="Pricing")
 
     usd_per_gpu_hour_spot: float = Field(
-        0.30, ge=0.0, description="US dollars per GPU-hour on spot (preemptible) capacity: the run's usd_spot.")
+        0.30, ge=0.0, title="Spot $ per GPU-Hour",
+        description="US dollars per GPU-hour on spot (preemptible) capacity: the run's usd_spot.")
     usd_per_gpu_hour_on_demand: float = Field(
-        0.80, ge=0.0, description="US dollars per GPU-hour on on-demand capacity: the run's usd_on_demand.")
-    gpu_count: int = Field(1, ge=1, description="GPUs the job holds while it runs: GPU-hours = wall hours x this.")
+        0.80, ge=0.0, title="On-Demand $ per GPU-Hour",
+        description="US dollars per GPU-hour on on-demand capacity: the run's usd_on_demand.")
+    gpu_count: int = Field(
+        1, ge=1, title="GPUs",
+        description="GPUs the job holds while it runs: GPU-hours = wall hours x this.")
 
 
 class TrackingSpec(_Spec):
@@ -310,7 +337,8 @@ class TrackingSpec(_Spec):
     model_config = ConfigDict(title="Tracking (MLflow)")
 
     mlflow_tracking_uri: str | None = Field(
-        None, description="MLflow tracking URI (an MLflow server's http://..., or sqlite:///...; a relative "
+        None, title="MLflow Tracking URI",
+        description="MLflow tracking URI (an MLflow server's http://..., or sqlite:///...; a relative "
         "sqlite path is from the cwd). Empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
     experiment: str = Field("tokenmill", description="MLflow experiment the run is filed under (created if missing).")
     run_name: str | None = Field(None, description="Empty: the name the orchestrator gives the run.")
@@ -367,22 +395,29 @@ class IndexSpec(_Spec):
     flat_max_rows: int = Field(
         100_000, ge=0, description="auto: corpora of at most this many vectors get exact (flat) search.")
     hnsw_max_rows: int = Field(
-        1_000_000, ge=0, description="auto: corpora above flat_max_rows and up to this many vectors get HNSW "
+        1_000_000, ge=0, title="HNSW Max Rows",
+        description="auto: corpora above flat_max_rows and up to this many vectors get HNSW "
         "(full vectors in memory); larger ones get IVF-PQ (compressed codes).")
-    hnsw_m: int | None = Field(None, ge=4, description="HNSW links per node. Empty: 32.")
+    hnsw_m: int | None = Field(None, ge=4, title="HNSW M", description="HNSW links per node. Empty: 32.")
     ef_search: int | None = Field(
-        None, ge=1, description="HNSW candidates searched per query. Empty: 128.")
+        None, ge=1, title="HNSW efSearch", description="HNSW candidates searched per query. Empty: 128.")
     nlist: int | None = Field(
-        None, ge=1, description="IVF-PQ lists (partitions). Empty: about 4 x sqrt(rows), a power of two, "
+        None, ge=1, title="IVF Lists (nlist)",
+        description="IVF-PQ lists (partitions). Empty: about 4 x sqrt(rows), a power of two, "
         "at most rows / 39 so every list trains on enough vectors.")
     pq_m: int | None = Field(
-        None, ge=1, description="IVF-PQ sub-quantizers per vector; must divide the dimension. Empty: the largest "
+        None, ge=1, title="PQ Sub-quantizers (pq_m)",
+        description="IVF-PQ sub-quantizers per vector; must divide the dimension. Empty: the largest "
         "divisor of the dimension at most dimension / 4 (4 dimensions per code).")
-    nbits: int = Field(8, ge=4, le=12, description="IVF-PQ bits per sub-quantizer code.")
+    nbits: int = Field(
+        8, ge=4, le=12, title="PQ Bits per Code (nbits)",
+        description="IVF-PQ bits per sub-quantizer code.")
     nprobe: int | None = Field(
-        None, ge=1, description="IVF-PQ lists searched per query. Empty: nlist / 8, between 8 and 256.")
+        None, ge=1, title="IVF Lists Searched (nprobe)",
+        description="IVF-PQ lists searched per query. Empty: nlist / 8, between 8 and 256.")
     train_rows: int = Field(
-        100_000, ge=256, description="IVF-PQ: at most this many vectors, a deterministic sample, train the "
+        100_000, ge=256, title="IVF-PQ Training Rows",
+        description="IVF-PQ: at most this many vectors, a deterministic sample, train the "
         "quantizers (the held-out queries are never among them).")
     recall_queries: int = Field(
         200, ge=1, description="Held-out corpus vectors queried to measure recall@10 against exact search, "
@@ -407,6 +442,14 @@ class OpenAIBatchSpec(_Spec):
         "error lines.")
 
 
+def _passthrough_form(schema: dict[str, Any]) -> None:
+    # The form's two choices, named ("list" and "str" otherwise). 'all' as a one-item list to pick from:
+    # as a const, the form shows an empty box that cannot be edited.
+    columns, _ = schema["anyOf"]
+    columns["title"] = "Columns"
+    schema["anyOf"][1] = {"type": "string", "enum": ["all"], "title": "All columns"}
+
+
 def _form_asks_for_paths(schema: dict[str, Any]) -> None:
     # The demo corpus exists only in a checkout that ran `tokenmill sample-corpus`: the form and the
     # API behind it ask for input and output instead of offering it. JobSpec() in Python keeps it.
@@ -416,10 +459,25 @@ def _form_asks_for_paths(schema: dict[str, Any]) -> None:
     schema["required"] = ["input", "output", *schema.get("required", [])]
 
 
+def _section_titles(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    # pydantic drops the title beside a section's $ref when it equals the section's own title, and
+    # Prefect's form then labels the group with the field's name ("Openai Batch"): put it back.
+    for name, field in model.model_fields.items():
+        prop = schema["properties"].get(name, {})
+        section = field.annotation
+        if "$ref" in prop and "title" not in prop and isinstance(section, type) and issubclass(section, BaseModel):
+            prop["title"] = section.model_config.get("title") or name
+
+
+def _job_form(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    _form_asks_for_paths(schema)
+    _section_titles(schema, model)
+
+
 class JobSpec(_Spec):
     """One batch job: where the rows are, what to run on them, where the results go."""
 
-    model_config = ConfigDict(title="Batch job", json_schema_extra=_form_asks_for_paths)
+    model_config = ConfigDict(title="Batch job", json_schema_extra=_job_form)
 
     input: str = Field(DEFAULT_INPUT, description="A file, directory or glob; local or s3://.")
     format: Literal["auto", "parquet", "jsonl", "openai-batch"] = Field(
@@ -428,13 +486,14 @@ class JobSpec(_Spec):
     )
     output_format: Literal["auto", "parquet", "openai-batch"] = Field(
         "auto", description="openai-batch: besides the Parquet output, OpenAI Batch result and error files "
-        "and a batch object under <output>/_openai/ (needs openai-batch input). auto: openai-batch for "
+        "and a batch object under `<output>/_openai/` (needs openai-batch input). auto: openai-batch for "
         "openai-batch input. parquet: the Parquet output only.")
     openai_batch: OpenAIBatchSpec = Field(
         default_factory=lambda: OpenAIBatchSpec(), title="OpenAI Batch",
         description="How OpenAI Batch request lines are checked against the job.")
     id_column: str = Field(
-        "id", description="Column with each row's unique, non-null id; outputs and rejects carry it as `id`.")
+        "id", title="ID Column",
+        description="Column with each row's unique, non-null id; outputs and rejects carry it as `id`.")
     text_column: str = Field("text", description="Column with the text to embed, or the {text} of the prompts.")
     mode: Literal["embed", "generate"] = Field(
         "embed",
@@ -451,6 +510,7 @@ class JobSpec(_Spec):
     )
     passthrough_columns: list[str] | Literal["all"] = Field(
         default_factory=list,
+        json_schema_extra=_passthrough_form,
         description="Input columns copied into the output rows, after the results ('all': every input column "
         "but the id), so no join back is needed.")
     pricing: PricingSpec = Field(
@@ -471,7 +531,7 @@ class JobSpec(_Spec):
         "against measured tokens/s and $.")
     index: IndexSpec | None = Field(
         None, title="Index", description="embed jobs: build an ANN index (FAISS or LanceDB) over the outputs "
-        "under <output>/_index/ after the shards, with recall@10 and build cost on record. Empty: no index.")
+        "under `<output>/_index/` after the shards, with recall@10 and build cost on record. Empty: no index.")
 
     @field_validator("input", "output")
     @classmethod
