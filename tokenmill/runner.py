@@ -28,6 +28,7 @@ from tokenmill.models import resolve_model
 from tokenmill.outputs import OutputStore, build_output, rejects_table, structured_invalid_rows
 from tokenmill.prompts import prefix_order, prompt_inputs, read_columns, validate_job_rows
 from tokenmill.results import ShardResult
+from tokenmill.row_cache import reuse_rows
 from tokenmill.shards import ROW_NUMBER, ShardSpec, read_shard
 from tokenmill.spec import DEFAULT_TOKEN_BUDGET, JobSpec
 from tokenmill.storage import describe_error
@@ -113,12 +114,19 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
         )
 
     lengths = [len(ids) for ids in encoded.token_ids]
-    if engine is None and lengths:
-        engine = get_engine(model_path, spec)  # `auto` resolves here; how to feed depends on which engine
+    if engine is None and lengths and spec.model.engine == "auto":
+        engine = get_engine(model_path, spec)  # `auto` resolves here: the row cache's key names the engine
+    # the row cache and duplicate collapse: the engine runs only the rows in reuse.compute
+    reuse = reuse_rows(spec, model_path, engine.name if engine is not None else spec.model.engine,
+                       encoded.token_ids)
+    token_ids = [encoded.token_ids[i] for i in reuse.compute]
+    computed_lengths = [len(ids) for ids in token_ids]
+    if engine is None and token_ids:
+        engine = get_engine(model_path, spec)  # how to feed depends on which engine
     engine_name = engine.name if engine is not None else spec.model.engine
-    batches = plan_feed(lengths, spec, engine_name, engine)
+    batches = plan_feed(computed_lengths, spec, engine_name, engine)
     if spec.mode == "generate" and not engine_pads(engine_name):
-        order = prefix_order(encoded.token_ids)  # shared prompt prefixes adjacent, for the prefix cache
+        order = prefix_order(token_ids)  # shared prompt prefixes adjacent, for the prefix cache
         batches = [[order[i] for i in batch] for batch in batches]
     progress.emit("shard_started", shard_id=shard.shard_id, rows=valid.num_rows)
     engine_seconds = 0.0
@@ -126,8 +134,7 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     if batches:
         timeline.mark("first_engine_call")  # a job's shards only: a gate's sample runs through run_batches too
         try:
-            results_by_batch, engine_seconds = run_batches(engine, batches, encoded.token_ids, spec,
-                                                           shard.shard_id)
+            results_by_batch, engine_seconds = run_batches(engine, batches, token_ids, spec, shard.shard_id)
         except Exception as exc:
             if not engine_died(exc):
                 raise
@@ -138,8 +145,11 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
             progress.emit("shard_restarted", shard_id=shard.shard_id)
             discard_engine(model_path, spec)
             results_by_batch, engine_seconds = run_batches(get_engine(model_path, spec), batches,
-                                                           encoded.token_ids, spec, shard.shard_id)
-    results = restore_order(batches, results_by_batch)
+                                                           token_ids, spec, shard.shard_id)
+    computed = restore_order(batches, results_by_batch)
+    results = reuse.outputs(computed, engine_seconds)  # every row, in input order; new entries stored
+    if len(results) > len(computed):
+        progress.emit("rows_done", shard_id=shard.shard_id, rows=len(results) - len(computed))
 
     output = build_output(valid, spec, results, lengths, encoded.truncated)
     structured_invalid = structured_invalid_rows(output)
@@ -149,8 +159,9 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
         store.shard_rejects(shard.shard_id),
         rejects_table(shard.shard_id, shard.uri, sorted(rejects, key=lambda r: r[0]), shard.format == "jsonl"),
     )
-    ours = feed_padding(lengths, batches, engine_name)
-    baseline = padding_stats(lengths, fixed_batches(len(lengths), spec.batching.baseline_batch_size))
+    ours = feed_padding(computed_lengths, batches, engine_name)
+    baseline = padding_stats(computed_lengths,
+                             fixed_batches(len(computed_lengths), spec.batching.baseline_batch_size))
     result = ShardResult(
         shard_id=shard.shard_id,
         fingerprint=shard.fingerprint,
@@ -170,14 +181,15 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
         seconds=time.perf_counter() - started,
         engine=engine_name if batches else "",
         structured_invalid_rows=structured_invalid,
-        prompt_cached_tokens=sum(g.cached_prompt_tokens for g in results)
+        prompt_cached_tokens=sum(g.cached_prompt_tokens for g in computed)
         if spec.mode == "generate" and engine_name in UNPADDED_ENGINES else None,
+        **reuse.record(),
     )
     if result.rows_in != result.rows_out + result.rows_rejected:  # the one invariant we never break
         raise AssertionError(f"shard {shard.shard_id}: {rows_in} rows in, {output.num_rows} out, {len(rejects)} rejected")
     store.write_json(store.shard_record(shard.shard_id), result.model_dump())
     progress.emit("shard_done", shard_id=shard.shard_id, result=result)
-    del output, results, results_by_batch, encoded, table, valid
+    del output, results, computed, results_by_batch, encoded, token_ids, table, valid, reuse
     release_freed_heap()  # the shard's activations and tables: back to the system, not kept by the heap
     return result
 
