@@ -357,6 +357,26 @@ def test_max_bytes_is_kept_after_every_shard(tmp_path):
     assert run_shard(shard, spec, engine=engine).rows_from_cache == 0 and engine.rows == 30
 
 
+def test_the_cache_on_an_object_store(tmp_path, s3_server):
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=s3_server).mkdir("cache-bucket")
+    options = {"endpoint_url": s3_server}
+    shard, spec = one_shard(tmp_path, corpus_texts(30), storage_options=options,
+                            cache={"uri": "s3://cache-bucket/rows", "max_bytes": 10**9})
+    run_shard(shard, spec, engine=VectorEngine())
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server)
+    written = [p for p in fs.find("cache-bucket/rows") if p.endswith(".parquet")]
+    assert len(written) == 1 and not fs.exists("cache-bucket/rows/_tmp")  # one PUT, no temporary file
+    row_cache._indexes.clear()  # another process: it knows the bucket only by listing it
+    engine = VectorEngine()
+    assert run_shard(shard, spec, engine=engine).rows_from_cache == 30 and engine.rows == 0
+    cache = RowCache.for_job(spec, resolve_model(MINILM), "transformers")
+    assert [Path(p).name for p in cache.evict(0)] == [Path(written[0]).name]
+    fs.invalidate_cache()
+    assert not [p for p in fs.find("cache-bucket/rows") if p.endswith(".parquet")]
+
+
 # --- the plan ---------------------------------------------------------------------------------------------
 
 def test_the_plan_counts_only_the_tokens_still_to_compute(tmp_path):
