@@ -86,8 +86,8 @@ def plan_flow(spec: PrefectJob, window_hours: float, tokens_per_s_per_gpu: float
             choice = choose_engine_task(spec, discover_shards_task(spec))
         trial = choice.trial(choice.engine)
         if trial is not None:
-            local = predict_wall(history_key(choice.cache_key, choice.engine), choice.engine, estimate.tokens,
-                                 trial.tokens_per_s, f"{choice.engine} trial on this machine", trial.start_seconds)
+            local = predict_wall(history_key(choice.cache_key, choice.engine), choice.engine,
+                                 estimate.tokens_to_compute, trial.tokens_per_s, f"{choice.engine} trial on this machine", trial.start_seconds)
     if tokens_per_s_per_gpu is None:
         if calibration_file:
             calibration = Calibration.model_validate(json.loads(Path(calibration_file).read_text()))

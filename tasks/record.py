@@ -104,6 +104,12 @@ def end_run_hook(flow, flow_run, state) -> None:
                 f"{state.name}: {state.message or 'no message'}")
 
 
+def engine_tokens(metrics: dict[str, float]) -> float:
+    """The tokens the engine computed: the output's, less those the row cache answered or collapse copied."""
+    delivered = metrics.get("input_tokens", 0) + metrics.get("output_tokens", 0)
+    return metrics.get("engine_tokens", delivered)
+
+
 def fixed_and_steady(metrics: dict[str, float]) -> dict[str, float]:
     """This process's fixed seconds (to its first engine call, in parts) and the steady tokens/s
     after it, apart: a short job is decided by the first, a long one by the second."""
@@ -111,8 +117,7 @@ def fixed_and_steady(metrics: dict[str, float]) -> dict[str, float]:
     costs = timeline.fixed_costs(now)
     first_call = timeline.marks().get("first_engine_call")
     if first_call is not None and now > first_call:
-        costs["steady_tokens_per_s"] = (metrics.get("input_tokens", 0) + metrics.get("output_tokens", 0)) / (
-            now - first_call)
+        costs["steady_tokens_per_s"] = engine_tokens(metrics) / (now - first_call)
     return costs
 
 
@@ -120,7 +125,7 @@ def predicted_against_measured_wall(choice, engine: str, metrics: dict[str, floa
     """The whole-run prediction from the engine trial and this job shape's last run here, beside
     this run's measurement (same tokens); then this run becomes the next one's history."""
     trial = choice.trial(engine)
-    tokens = metrics.get("input_tokens", 0) + metrics.get("output_tokens", 0)
+    tokens = engine_tokens(metrics)
     if trial is None or not choice.cache_key or not timeline.measures_process() or tokens <= 0:
         return {}
     key = prediction.history_key(choice.cache_key, engine)

@@ -10,6 +10,7 @@ Layout under the output root:
     _state/                     the orchestrator's persisted shard results: what makes a re-run resume
     _tmp/<writer>/              files being written (local disk only), one folder per process
     _stale/                     files of shards that are no longer the job's, under their own names
+    _cache/                     the row cache (tokenmill.row_cache), where the job's cache.uri is empty
 Directory readers see only this run's output rows: pyarrow.dataset and pandas skip every
 _-prefixed entry, and duckdb and polars read `<root>/*.parquet`, which does not descend
 (polars' own directory reading takes every file below, _rejects/ and _manifest.json too).

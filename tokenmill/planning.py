@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from pydantic import BaseModel
 from tokenmill.economics import per_million
 from tokenmill.encoding import encode_rows
 from tokenmill.models import resolve_model
+from tokenmill.prompts import prompt_inputs, read_columns, validate_job_rows
+from tokenmill.row_cache import cached_token_share
 from tokenmill.sampling import corpus_sample
 from tokenmill.shards import discover_shards_for, read_shard
 from tokenmill.spec import JobSpec
@@ -29,13 +32,24 @@ class CorpusEstimate(BaseModel):
     largest_shard_rows: int
     largest_shard_tokens: float
     shards: int
+    row_cache_share: float = 0.0  # share of the tokens the row cache already holds (estimated on a sample)
+    row_cache_note: str = ""  # how that share was estimated
+
+    @property
+    def tokens_to_compute(self) -> float:
+        """The tokens the engine will compute: those the row cache does not hold."""
+        return self.tokens * (1.0 - self.row_cache_share)
 
     def describe(self) -> str:
         spread = (self.tokens_high - self.tokens) / self.tokens if self.tokens else 0.0
         rows = f"{self.rows:,} rows" + ("" if self.rows_exact else " (estimated from bytes)")
-        return (f"{rows} in {self.shards} shards; {self.tokens:,.0f} tokens "
+        text = (f"{rows} in {self.shards} shards; {self.tokens:,.0f} tokens "
                 f"(95% interval {self.tokens_low:,.0f} to {self.tokens_high:,.0f}, ±{spread:.1%}; "
                 f"estimated from {self.sample_rows} sampled rows at {self.tokens_per_row_mean:.1f} tokens/row)")
+        if self.row_cache_share:
+            text += (f"; the row cache holds {self.row_cache_share:.1%} of them ({self.row_cache_note}): "
+                     f"**{self.tokens_to_compute:,.0f} tokens still to compute**")
+        return text
 
 
 def estimate_corpus(spec: JobSpec, sample_rows: int = 512) -> CorpusEstimate:
@@ -53,11 +67,56 @@ def estimate_corpus(spec: JobSpec, sample_rows: int = 512) -> CorpusEstimate:
     shard_rows = rows_per_shard(spec, shards)
     rows = sum(shard_rows)
     half_width = 1.96 * sd / math.sqrt(len(lengths)) if len(lengths) > 1 else 0.0
+    share, note = row_cache_share(spec, shards, shard_rows, sample_rows)
     return CorpusEstimate(
         rows=rows, rows_exact=exact, sample_rows=len(lengths), tokens_per_row_mean=mean, tokens_per_row_p95=p95,
         tokens=rows * mean, tokens_low=rows * max(mean - half_width, 0.0), tokens_high=rows * (mean + half_width),
         largest_shard_rows=max(shard_rows), largest_shard_tokens=max(shard_rows) * mean, shards=len(shards),
+        row_cache_share=share, row_cache_note=note,
     )
+
+
+ROW_CACHE_SAMPLE_SHARDS = 8
+
+
+def row_cache_share(spec: JobSpec, shards, shard_rows: list[int], sample_rows: int) -> tuple[float, str]:
+    """The share of the corpus's tokens the row cache already holds, and how it was estimated: rows of up to
+    ROW_CACHE_SAMPLE_SHARDS shards spread over the corpus (the first and the last among them: appended rows
+    land at the end), chosen by a hash of their id, looked up by key; each shard's share weighted by its
+    tokens. Not the corpus sample's first rows, which a growing corpus has long had in its cache."""
+    if not spec.cache.enabled or not shards:
+        return 0.0, ""
+    step = max(1, len(shards) // ROW_CACHE_SAMPLE_SHARDS)
+    picked = sorted(set(range(0, len(shards), step)[:ROW_CACHE_SAMPLE_SHARDS - 1]) | {len(shards) - 1})
+    per_shard = max(1, sample_rows // len(picked))
+    model_path = resolve_model(spec.model_name)
+    engines = ["vllm", "transformers", "onnxruntime"] if spec.model.engine == "auto" else [spec.model.engine]
+    held = weight = 0.0
+    sampled = 0
+    found_engine = None
+    for index in picked:
+        table, _ = read_shard(shards[index], read_columns(spec), spec.storage_options)
+        valid = validate_job_rows(table, shards[index].uri, spec).valid
+        ids = [str(i) for i in valid.column(spec.id_column).to_pylist()]
+        chosen = sorted(range(len(ids)), key=lambda i: hashlib.sha256(ids[i].encode()).hexdigest())[:per_shard]
+        if not chosen:
+            continue
+        inputs = prompt_inputs(valid.take(chosen), spec)
+        encoded = encode_rows(inputs, spec, model_path)
+        dropped = {i for i, _ in encoded.overlong}
+        token_ids = [ids_ for i, ids_ in enumerate(encoded.token_ids) if i not in dropped]
+        if not token_ids:
+            continue
+        share, engine = cached_token_share(spec, model_path, engines, token_ids)
+        shard_tokens = shard_rows[index] * statistics.fmean(len(t) for t in token_ids)
+        held += share * shard_tokens
+        weight += shard_tokens
+        sampled += len(token_ids)
+        found_engine = found_engine or engine
+    if not weight or not held:
+        return 0.0, ""
+    return held / weight, (f"{sampled} rows of {len(picked)} shards looked up"
+                           + (f", entries of the {found_engine} engine" if spec.model.engine == "auto" else ""))
 
 
 def estimate_rows(spec: JobSpec, shards) -> int:
@@ -83,7 +142,8 @@ def make_plan(spec: JobSpec, estimate: CorpusEstimate, tokens_per_s_per_gpu: flo
               straggler_margin: float = 0.1, preemptions_per_gpu_hour: float = 0.05,
               engine_start_seconds: float = 60.0) -> FleetPlan:
     return FleetPlan(
-        total_tokens=estimate.tokens, tokens_per_s_per_gpu=tokens_per_s_per_gpu, window_hours=window_hours,
+        total_tokens=estimate.tokens_to_compute,  # the row cache's share is already paid for
+        tokens_per_s_per_gpu=tokens_per_s_per_gpu, window_hours=window_hours,
         straggler_margin=straggler_margin, preemptions_per_gpu_hour=preemptions_per_gpu_hour,
         largest_shard_tokens=estimate.largest_shard_tokens, engine_start_seconds=engine_start_seconds,
         usd_per_gpu_hour_spot=spec.pricing.usd_per_gpu_hour_spot,
@@ -129,7 +189,8 @@ def plan_markdown(plan: FleetPlan, estimate: CorpusEstimate, rate_source: str) -
 def plan_metrics(plan: FleetPlan, estimate: CorpusEstimate) -> dict[str, Any]:
     return {"plan_gpus": plan.gpus, "plan_finish_hours": plan.finish_hours(), "plan_usd_spot": plan.usd_spot(),
             "plan_usd_on_demand": plan.usd_on_demand(), "plan_usd_per_1m_tokens": plan.usd_per_1m_tokens(),
-            "plan_tokens": estimate.tokens, "plan_tokens_low": estimate.tokens_low,
+            "plan_tokens": estimate.tokens, "plan_tokens_to_compute": estimate.tokens_to_compute,
+            "plan_row_cache_share": estimate.row_cache_share, "plan_tokens_low": estimate.tokens_low,
             "plan_tokens_high": estimate.tokens_high, "plan_tokens_per_s_per_gpu": plan.tokens_per_s_per_gpu,
             "plan_largest_shard_seconds": plan.shard_hours * 3600, "plan_rework_gpu_hours": plan.rework_gpu_hours}
 

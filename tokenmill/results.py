@@ -24,7 +24,7 @@ class ShardResult(BaseModel):
     input_tokens: int
     output_tokens: int
     batches: int
-    real_tokens: int  # tokens the engine saw (= input_tokens)
+    real_tokens: int  # tokens the engine saw (= input_tokens, less those of rows from the row cache or collapsed)
     padded_slots: int  # rows x longest row over the engine calls (= real_tokens for an engine that does not pad)
     baseline_padded_slots: int  # the same, over fixed-size batches in input order
     engine_seconds: float
@@ -34,6 +34,14 @@ class ShardResult(BaseModel):
     engine: str = ""  # the engine that ran it (with `engine: auto`, each worker chooses on its own device)
     structured_invalid_rows: int = 0  # rows whose output does not conform to generation.response_format
     prompt_cached_tokens: int | None = None  # prompt tokens found in vLLM's prefix cache; None: not reported
+    # the row cache (tokenmill.row_cache). row_cache: on | off | bypassed: <why>; "" where it was not consulted
+    # (OpenAI Batch shards, records from before it)
+    row_cache: str = ""
+    rows_cache_lookups: int = 0  # rows looked up in the row cache
+    rows_from_cache: int = 0  # rows whose output came from it
+    rows_collapsed: int = 0  # rows whose output is a copy of an identical row computed in this shard
+    tokens_saved: int = 0  # input + output tokens of those rows: what the engine did not compute
+    engine_seconds_saved: float = 0.0  # what computing them would have taken, at the rates they were computed at
 
     @property
     def padding_fraction(self) -> float:

@@ -30,6 +30,7 @@ from tokenmill.openai_batch import run_openai_batch_shard
 from tokenmill.outputs import OutputStore, build_output, record_shard, structured_invalid_rows, write_shard_tables
 from tokenmill.prompts import prefix_order, prompt_inputs, read_columns, validate_job_rows
 from tokenmill.results import ShardResult
+from tokenmill.row_cache import reuse_rows
 from tokenmill.shards import ROW_NUMBER, ShardSpec, read_shard
 from tokenmill.spec import JobSpec
 
@@ -97,26 +98,35 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     rejects += overlong
 
     lengths = [len(ids) for ids in encoded.token_ids]
-    if engine is None and lengths:
+    # the row cache and duplicate collapse: the engine runs only the rows in reuse.compute
+    reuse = reuse_rows(spec, model_path, engine.name if engine is not None else spec.model.engine,
+                       encoded.token_ids)
+    token_ids = [encoded.token_ids[i] for i in reuse.compute]
+    computed_lengths = [len(ids) for ids in token_ids]
+    if engine is None and token_ids:
         engine = get_engine(model_path, spec)  # the engine the job was resolved to; how to feed depends on it
     engine_name = engine.name if engine is not None else spec.model.engine
-    batches = _feed(encoded.token_ids, spec, engine_name, engine)
+    batches = _feed(token_ids, spec, engine_name, engine)
     progress.emit("shard_started", shard_id=shard.shard_id, rows=valid.num_rows)
     engine_seconds = 0.0
     results_by_batch: list = []
     if batches:
         timeline.mark("first_engine_call")  # a job's shards only: a gate's sample runs through run_batches too
         results_by_batch, engine_seconds = with_one_restart(
-            partial(run_batches, batches=batches, token_ids=encoded.token_ids, spec=spec, shard_id=shard.shard_id),
+            partial(run_batches, batches=batches, token_ids=token_ids, spec=spec, shard_id=shard.shard_id),
             engine, model_path, spec, shard.shard_id)
-    results = restore_order(batches, results_by_batch)
+    computed = restore_order(batches, results_by_batch)
+    results = reuse.outputs(computed, engine_seconds)  # every row, in input order; new entries stored
+    if len(results) > len(computed):
+        progress.emit("rows_done", shard_id=shard.shard_id, rows=len(results) - len(computed))
 
     output = build_output(valid, spec, results, lengths, encoded.truncated)
     structured_invalid = structured_invalid_rows(output)
     write_shard_tables(store, shard.shard_id, shard.uri, output, sorted(rejects, key=lambda r: r[0]),
                        shard.format == "jsonl")
-    ours = feed_padding(lengths, batches, engine_name)
-    baseline = padding_stats(lengths, fixed_batches(len(lengths), spec.batching.baseline_batch_size))
+    ours = feed_padding(computed_lengths, batches, engine_name)
+    baseline = padding_stats(computed_lengths,
+                             fixed_batches(len(computed_lengths), spec.batching.baseline_batch_size))
     result = ShardResult(
         shard_id=shard.shard_id, fingerprint=shard.fingerprint, uri=shard.uri,
         output=store.shard_output(shard.shard_id), rows_in=rows_in, rows_out=output.num_rows,
@@ -125,11 +135,12 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
         real_tokens=ours.real_tokens, padded_slots=ours.padded_slots, baseline_padded_slots=baseline.padded_slots,
         engine_seconds=engine_seconds, seconds=time.perf_counter() - started, engine=engine_name if batches else "",
         structured_invalid_rows=structured_invalid,
-        prompt_cached_tokens=sum(g.cached_prompt_tokens for g in results)
+        prompt_cached_tokens=sum(g.cached_prompt_tokens for g in computed)
         if spec.mode == "generate" and engine_name in UNPADDED_ENGINES else None,
+        **reuse.record(),
     )
     record_shard(store, result)
-    del output, results, results_by_batch, encoded, table, valid
+    del output, results, computed, results_by_batch, encoded, token_ids, table, valid, reuse
     release_freed_heap()  # the shard's activations and tables: back to the system, not kept by the heap
     return result
 

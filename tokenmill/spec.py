@@ -450,6 +450,27 @@ def _passthrough_form(schema: dict[str, Any]) -> None:
     schema["anyOf"][1] = {"type": "string", "enum": ["all"], "title": "All columns"}
 
 
+class CacheSpec(_Spec):
+    """The row cache (tokenmill.row_cache): each row's output kept under a digest of everything that decides
+    it, so a re-run computes only the rows that changed, and identical rows are computed once."""
+
+    model_config = ConfigDict(title="Row cache")
+
+    enabled: bool = Field(
+        True, description="Look rows up before the engine and store what it computed after. Only deterministic "
+        "requests are cached (embeddings; greedy generation, or sampling with a fixed seed on vLLM); the rest "
+        "bypass it, and the run record says so. false: no lookups, no writes.")
+    uri: str | None = Field(
+        None, description="Where the entries live; local or s3:// (the job's storage_options apply). A location "
+        "shared by many jobs lets them share entries. Empty: <output>/_cache.")
+    max_bytes: int | None = Field(
+        None, ge=0, description="Cap on the entries' size under uri; the oldest files (locally: least recently "
+        "used) are evicted after each write. Empty: no cap.")
+    collapse_duplicates: bool = Field(
+        True, description="Rows with identical inputs in a shard are computed once and the output fanned out to "
+        "each of them (deterministic requests only), whether or not the cache is enabled.")
+
+
 def _form_asks_for_paths(schema: dict[str, Any]) -> None:
     # The demo corpus exists only in a checkout that ran `tokenmill sample-corpus`: the form and the
     # API behind it ask for input and output instead of offering it. JobSpec() in Python keeps it.
@@ -529,6 +550,9 @@ class JobSpec(_Spec):
     calibration: str | None = Field(
         None, description="calibration.json from `tokenmill calibrate`: the run then records predicted "
         "against measured tokens/s and $.")
+    cache: CacheSpec = Field(
+        default_factory=CacheSpec, title="Row cache", description="Re-runs pay only for rows that changed; "
+        "duplicate rows are computed once.")
     index: IndexSpec | None = Field(
         None, title="Index", description="embed jobs: build an ANN index (FAISS or LanceDB) over the outputs "
         "under `<output>/_index/` after the shards, with recall@10 and build cost on record. Empty: no index.")

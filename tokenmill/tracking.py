@@ -27,7 +27,7 @@ from tokenmill.bucketing import PaddingStats
 from tokenmill.calibrate import Calibration
 from tokenmill.device import device_name
 from tokenmill.digest import stable_digest
-from tokenmill.economics import RunCost
+from tokenmill.economics import RunCost, rate_per_s
 from tokenmill.errors import ConfigError
 from tokenmill.processes import ProcessIdentity, is_gone
 from tokenmill.results import ShardResult
@@ -183,6 +183,9 @@ def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSp
     )
     if spec.mode == "generate":
         metrics.update(generation_metrics(spec, results, fresh))
+    metrics.update(row_cache_metrics(spec, fresh))
+    # the engine's rate over what it computed (rows from the row cache cost it nothing)
+    metrics["engine_tokens_per_s"] = rate_per_s(metrics["engine_tokens"], cost.engine_seconds)
     metrics.update(fleet or {})
     return {k: float(v) for k, v in metrics.items()}
 
@@ -194,10 +197,45 @@ def generation_metrics(spec: JobSpec, results: list[ShardResult], fresh: list[Sh
     if spec.generation.response_format is not None:
         metrics["structured_invalid_rows"] = float(sum(r.structured_invalid_rows for r in results))
     reported = [r for r in fresh if r.prompt_cached_tokens is not None]
-    prompt_tokens = sum(r.input_tokens for r in reported)
+    prompt_tokens = sum(r.real_tokens for r in reported)  # what the engine saw (not rows from the row cache)
     if prompt_tokens:
         metrics["prefix_cache_hit_rate"] = sum(r.prompt_cached_tokens for r in reported) / prompt_tokens
     return metrics
+
+
+def row_cache_metrics(spec: JobSpec, fresh: list[ShardResult]) -> dict[str, float]:
+    """What the row cache and duplicate collapse saved this run's shards (tokenmill.row_cache): rows answered
+    by the cache and rows collapsed onto an identical one, the tokens the engine did not compute, and what
+    computing them would have cost (their engine seconds at the rates they were computed at, at the spot
+    price); engine tokens are those it did compute. Cached shards are left out: an earlier run paid for them."""
+    lookups = sum(r.rows_cache_lookups for r in fresh)
+    hits = sum(r.rows_from_cache for r in fresh)
+    saved_seconds = sum(r.engine_seconds_saved for r in fresh)
+    delivered = sum(r.input_tokens + r.output_tokens for r in fresh)
+    return {
+        "rows_from_cache": hits,
+        "rows_collapsed": sum(r.rows_collapsed for r in fresh),
+        "rows_cache_bypassed": sum(r.rows_out for r in fresh if r.row_cache.startswith("bypassed")),
+        "row_cache_hit_rate": hits / lookups if lookups else 0.0,
+        "tokens_saved": sum(r.tokens_saved for r in fresh),
+        "engine_tokens": delivered - sum(r.tokens_saved for r in fresh),
+        "engine_seconds_saved": saved_seconds,
+        "usd_saved": saved_seconds / 3600 * spec.pricing.gpu_count * spec.pricing.usd_per_gpu_hour_spot,
+    }
+
+
+def row_cache_line(m: dict[str, float], results: list[ShardResult]) -> str:
+    """The summary's line on the row cache: what it answered, or why it was not used."""
+    bypassed = sorted({r.row_cache for r in results if r.row_cache.startswith("bypassed")})
+    if bypassed:
+        return f"- row cache: {bypassed[0]} ({m.get('rows_cache_bypassed', 0):.0f} rows computed, none cached)"
+    rows = m.get("rows_out", 0)
+    used = any(r.row_cache == "on" for r in results)
+    cache = (f"{m.get('rows_from_cache', 0):.0f} rows from the cache ({m.get('row_cache_hit_rate', 0):.1%} of "
+             "lookups)" if used else "off")
+    return (f"- row cache: {cache}, {m.get('rows_collapsed', 0):.0f} duplicate rows collapsed; "
+            f"{m.get('tokens_saved', 0):.0f} tokens not computed (engine computed {m.get('engine_tokens', 0):.0f} "
+            f"for {rows:.0f} rows out), ~${m.get('usd_saved', 0):.4f} saved at the spot price")
 
 
 def padding_waste_avoided(fresh: list[ShardResult], cost: RunCost) -> dict[str, float]:
@@ -250,6 +288,8 @@ def summary_markdown(spec: JobSpec, metrics: dict[str, float], results: list[Sha
         f"${m['usd_padding_avoided']:.4f} at this run's price per slot",
         f"- shards: {m['shards']:.0f} ({m['shards_cached']:.0f} from cache), {m['batches']:.0f} batches",
     ]
+    if any(r.row_cache for r in results):
+        lines.append(row_cache_line(m, results))
     if "dispatch_rounds" in m:
         lines.append(f"- fleet: {m['worker_runs']:.0f} worker runs over {m['dispatch_rounds']:.0f} dispatch rounds "
                      f"({m['worker_runs_lost']:.0f} lost, {m['speculative_copies']:.0f} speculative copies), "
@@ -273,6 +313,9 @@ def shard_rows(results: list[ShardResult]) -> list[dict[str, Any]]:
             "output_tokens": r.output_tokens,
             "padding": round(r.padding_fraction, 4),
             "seconds": round(r.seconds, 2),
+            "rows_from_cache": r.rows_from_cache,
+            "rows_collapsed": r.rows_collapsed,
+            "tokens_saved": r.tokens_saved,
         }
         for r in results
     ]
