@@ -116,3 +116,19 @@ def test_the_gate_passes_openvino_int8_against_float32_and_the_job_runs_it(
     table = pq.read_table(tmp_path / "out")
     assert table.num_rows == 160 and len(set(table.column("id").to_pylist())) == 160  # rows in = rows out
     assert len(table.column("embedding")[0].as_py()) == 384
+
+
+def test_the_row_cache_keys_openvino_int8_by_its_recipe_and_calibration_rows(corpus, tmp_path):
+    from tokenmill.row_cache import cache_identity
+    from tokenmill.sample_corpus import write_sample_corpus
+
+    path = resolve_model(MINILM)
+    spec = JobSpec(input=str(corpus), model=OV_INT8)
+    here = cache_identity(spec, path, "openvino")
+    assert here["openvino_recipe"]["calibration"] == calibration(spec, path)[1]
+    assert here["openvino_recipe"]["kind"] == "static" and here["device"] == "cpu"
+    write_sample_corpus(tmp_path / "other", documents=40, files=1, row_group_size=40)
+    elsewhere = cache_identity(spec.model_copy(update={"input": str(tmp_path / "other")}), path, "openvino")
+    assert elsewhere["openvino_recipe"]["calibration"] != here["openvino_recipe"]["calibration"]
+    onnx_int8 = JobSpec(input=str(corpus), model={**OV_INT8, "engine": "onnxruntime"})
+    assert "openvino_recipe" not in cache_identity(onnx_int8, path, "onnxruntime")

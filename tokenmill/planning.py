@@ -90,7 +90,7 @@ def row_cache_share(spec: JobSpec, shards, shard_rows: list[int], sample_rows: i
     picked = sorted(set(range(0, len(shards), step)[:ROW_CACHE_SAMPLE_SHARDS - 1]) | {len(shards) - 1})
     per_shard = max(1, sample_rows // len(picked))
     model_path = resolve_model(spec.model_name)
-    engines = ["vllm", "transformers", "onnxruntime", "openvino"] if spec.model.engine == "auto" else [spec.model.engine]
+    engines = ["vllm", "transformers", "onnxruntime"] if spec.model.engine == "auto" else [spec.model.engine]
     held = weight = 0.0
     sampled = 0
     found_engine = None
