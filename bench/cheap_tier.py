@@ -152,7 +152,9 @@ def render(jobs: dict[str, list[Variant]], quality: dict, rounds: int) -> str:
     lines = ["# The cheap tier, whole processes", "",
              "Written by `python -m bench.cheap_tier`; do not edit by hand.", "",
              f"- **Date:** {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit.strip()}",
-             f"- **Machine:** {cpu_model()}, {os.cpu_count()} logical cores; {' '.join(isa)}",
+             f"- **Machine:** {cpu_model()}, {os.cpu_count()} logical cores; {' '.join(isa)}; load average "
+             f"{os.getloadavg()[0]:.1f} / {os.getloadavg()[1]:.1f} (1 / 5 min) when written (above the cores: "
+             "other work shared them, and every figure is slower for it)",
              f"- **Method:** each variant a separate process, spawn to exit; {rounds} interleaved round(s), medians. "
              "Corpora: CPython docstrings (bench/corpora.py), built at bench time. Speed ratios: the alternative's "
              "seconds over tokenmill's (above 1: tokenmill is faster).", "",
