@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(jobs: dict[str, list[Variant]], quality: dict, rounds: int) -> str:
     from tokenmill.onnx_models import cpu_flags
-    from tokenmill.tracking import cpu_model
+    from tokenmill.device import cpu_model
 
     isa = sorted(f for f in cpu_flags() if f.startswith("avx512") or f in ("avx2", "avx_vnni", "amx_int8"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
