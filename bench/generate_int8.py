@@ -137,7 +137,7 @@ def machine() -> dict[str, str]:
     import psutil
     import torch
 
-    from tokenmill.tracking import cpu_model
+    from tokenmill.device import cpu_model
 
     flags = set()
     try:

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(results: dict[str, tuple[Variant, Run]], rows: int) -> str:
-    from tokenmill.tracking import cpu_model
+    from tokenmill.device import cpu_model
 
     def m(key: str, name: str) -> float:
         return results[key][1].metrics.get(name, 0.0)

@@ -24,6 +24,9 @@ MINILM = "all-MiniLM-L6-v2"
 REFERENCE = {"name": MINILM, "engine": "transformers"}
 INT8 = {"name": MINILM, "engine": "onnxruntime", "quantization": "int8"}
 INT4 = {"name": MINILM, "engine": "onnxruntime", "quantization": "int4"}
+# int8 with the FFN output projections kept in float32: clear of the top-10 threshold on this corpus (full
+# int8 lands at 0.89-0.90 on its 128 rows, so which side it falls on moved with the batches' padding)
+INT8_PARTIAL = {**INT8, "quantization": "int8-partial"}
 
 
 # --- fast: the spec and the recipes ---------------------------------------------------------------
@@ -142,15 +145,15 @@ def test_the_ladder_runs_the_cheapest_candidate_that_passes_and_records_every_ru
     from tokenmill.flows.batch import batch_flow
 
     spec = embed_spec(corpus, model=REFERENCE, gate={"reference": REFERENCE, "sample_rows": 128,
-                                                     "candidates": [INT4, INT8]})
+                                                     "candidates": [INT4, INT8_PARTIAL]})
     record = batch_flow(spec)
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
     run = mlflow.get_run(record.mlflow_run_id)
     params, metrics = run.data.params, run.data.metrics
     assert params["gate_action"] == "candidate" and params["engine"] == "onnxruntime"
-    assert params["quantization"] == "int8"
+    assert params["quantization"] == "int8-partial"
     assert metrics["gate_candidate0_passed"] == 0.0 and metrics["gate_candidate0_cosine_mean"] < 0.99  # int4
-    assert metrics["gate_candidate1_passed"] == 1.0 and metrics["gate_candidate1_cosine_mean"] >= 0.99  # int8
+    assert metrics["gate_candidate1_passed"] == 1.0 and metrics["gate_candidate1_cosine_mean"] >= 0.99
     for index in (0, 1):
         assert metrics[f"gate_candidate{index}_usd_per_1m_tokens"] > 0
     assert "[int4] (onnxruntime): FAIL" in record.summary and "runs the corpus" in record.summary

@@ -232,7 +232,7 @@ def test_the_gate_compares_parsed_values_field_by_field(tmp_path, spec, engine, 
         return engine if len(calls) == 1 else DamagedEngine(engine)  # the reference first, then the candidate
 
     monkeypatch.setattr(gate, "get_engine", candidate_damaged)
-    damaged = evaluate(job, texts, source)
+    damaged = evaluate(job, texts, source, refresh=True)  # measured again, not this sample's cached verdict
     metric = {m.name: m for m in damaged.metrics}["parsed_agreement"]
     assert metric.value <= 0.6 and not metric.passed and not damaged.passed
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from tokenmill.models import load_tokenizer, model_input_limit
+from tokenmill.models import load_text_tokenizer, load_tokenizer, model_input_limit
 from tokenmill.prompts import TEXT, fill
 from tokenmill.spec import JobSpec
 
@@ -23,11 +23,10 @@ def encode_rows(rows: Sequence, spec: JobSpec, model_path: str) -> EncodedRows:
 
     A row is its text; for generation it may instead be a mapping of the columns its prompt is
     rendered from (tokenmill.prompts.prompt_inputs: `text` and other template columns, or `messages`)."""
-    tokenizer = load_tokenizer(model_path)
     limit = input_token_limit(spec, model_path)
-    if spec.mode == "embed":
-        return _encode_for_embedding(list(rows), tokenizer, limit, spec.overlong)
-    return _encode_for_generation(list(rows), tokenizer, limit, spec)
+    if spec.mode == "embed":  # texts to ids only: without transformers where the model's tokenizer.json says it all
+        return _encode_for_embedding(list(rows), load_text_tokenizer(model_path), limit, spec.overlong)
+    return _encode_for_generation(list(rows), load_tokenizer(model_path), limit, spec)
 
 
 def input_token_limit(spec: JobSpec, model_path: str) -> int:

@@ -202,6 +202,73 @@ def quantize_w8a8(source: Path, target: Path) -> None:
             shutil.copy2(extra, target / extra.name)
 
 
+# tokenizer_config.json keys with which transformers rewrites what tokenizer.json says (the special tokens
+# it adds): a model that has one gets transformers' tokenizer, never the light one
+_REWRITING_KEYS = ("add_bos_token", "add_eos_token", "legacy", "add_prefix_space")
+
+
+class TextTokenizer:
+    """A model's tokenizer.json through the `tokenizers` library alone: token ids with the model's special
+    tokens, optionally cut at max_length, called like transformers' tokenizer (`tokenizer(texts,
+    add_special_tokens=..., truncation=..., max_length=...)["input_ids"]`). Importing transformers (and the
+    torch it brings) costs seconds of every process (about 3 s on a quiet 2-core machine, 6 under load),
+    which an embed job on ONNX Runtime or OpenVINO otherwise never needs; the ids are the same
+    (tests/test_tokenizer.py compares them with transformers' on texts of every kind, cut and uncut)."""
+
+    def __init__(self, model_path: str):
+        from tokenizers import Tokenizer
+
+        self.path = Path(model_path) / "tokenizer.json"
+        self._plain = Tokenizer.from_file(str(self.path))
+        self._plain.no_padding()
+        self._plain.no_truncation()
+        self._cut: dict[int, Tokenizer] = {}  # one per max_length: a Tokenizer's truncation is its state
+        config = _tokenizer_config(model_path)
+        pad = config.get("pad_token")
+        pad = pad.get("content") if isinstance(pad, dict) else pad
+        self.pad_token_id = self._plain.token_to_id(pad) if pad else None
+
+    def __call__(self, texts, add_special_tokens: bool = True, truncation: bool = False,
+                 max_length: int | None = None) -> dict[str, list]:
+        single = isinstance(texts, str)
+        tokenizer = self._plain if not (truncation and max_length) else self._cutter(max_length)
+        encoded = tokenizer.encode_batch([texts] if single else list(texts), add_special_tokens=add_special_tokens)
+        ids = [e.ids for e in encoded]
+        return {"input_ids": ids[0] if single else ids}
+
+    def _cutter(self, max_length: int):
+        if max_length not in self._cut:
+            from tokenizers import Tokenizer
+
+            cutter = Tokenizer.from_file(str(self.path))
+            cutter.no_padding()
+            cutter.enable_truncation(max_length)  # right side, longest first: transformers' defaults
+            self._cut[max_length] = cutter
+        return self._cut[max_length]
+
+
+def _tokenizer_config(model_path: str) -> dict:
+    try:
+        return json.loads((Path(model_path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def light_tokenizer_fits(model_path: str) -> bool:
+    """Whether TextTokenizer gives this model's ids: it has a tokenizer.json and no config key with which
+    transformers would change the special tokens it adds."""
+    if not (Path(model_path) / "tokenizer.json").is_file():
+        return False
+    config = _tokenizer_config(model_path)
+    return not any(key in config for key in _REWRITING_KEYS)
+
+
+@functools.lru_cache(maxsize=8)
+def load_text_tokenizer(model_path: str):
+    """The tokenizer for texts to ids (embed jobs): TextTokenizer where it fits, else transformers'."""
+    return TextTokenizer(model_path) if light_tokenizer_fits(model_path) else load_tokenizer(model_path)
+
+
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(model_path: str):
     from transformers import AutoTokenizer

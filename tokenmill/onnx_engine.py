@@ -35,11 +35,11 @@ class OnnxEngine(Engine):
         started = time.perf_counter()
         import onnxruntime
 
-        from tokenmill.models import load_tokenizer
+        from tokenmill.models import load_text_tokenizer
 
         self.onnxruntime = onnxruntime
         self.model_file = onnx_model(model_path, spec.model.quantization, spec.model_name)
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = load_text_tokenizer(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pooling = read_pooling(model_path)
         self.quantization = spec.model.quantization
