@@ -45,9 +45,9 @@ class OpenVinoEngine(Engine):
         started = time.perf_counter()
         import openvino
 
-        from tokenmill.models import load_tokenizer
+        from tokenmill.models import load_text_tokenizer
 
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = load_text_tokenizer(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pooling = read_pooling(model_path)
         self.quantization = spec.model.quantization
@@ -86,14 +86,14 @@ def calibration(spec: JobSpec, model_path: str) -> tuple[list[dict[str, np.ndarr
 def _calibration(fields: str, model: str, model_path: str) -> tuple[list[dict[str, np.ndarray]], str]:
     import json
 
-    from tokenmill.models import load_tokenizer
+    from tokenmill.models import load_text_tokenizer
 
     spec = JobSpec.model_validate({**json.loads(fields), "model": json.loads(model)})
     texts, _ = corpus_sample(spec, CALIBRATION_ROWS, CALIBRATION_SEED)
     encoded = encode_rows(texts, spec, model_path)
     refused = {i for i, _ in encoded.overlong}
     token_ids = [ids for i, ids in enumerate(encoded.token_ids) if i not in refused]
-    pad_id = load_tokenizer(model_path).pad_token_id or 0
+    pad_id = load_text_tokenizer(model_path).pad_token_id or 0
     batches = plan_batches([len(ids) for ids in token_ids], spec.batching.token_budget or CPU_TOKEN_BUDGET,
                            spec.batching.max_batch_size, spec.batching.length_tolerance)
     arrays = [padded_arrays([token_ids[i] for i in batch], pad_id) for batch in batches]
