@@ -120,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--shapes", default="", help="comma-separated, e.g. long,mixed (default: all)")
+    parser.add_argument("--report", default=str(REPORT), help="where the report goes (default: bench/CHEAP_TIER.md)")
     args = parser.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
-    report = WORK / "CHEAP_TIER-quick.md" if args.quick else REPORT
+    report = WORK / "CHEAP_TIER-quick.md" if args.quick else Path(args.report)
     WORK.mkdir(parents=True, exist_ok=True)
     jobs = build(args.quick)
     if args.shapes:
