@@ -388,7 +388,7 @@ def test_the_run_form_shows_every_jobspec_section_titled_with_its_described_fiel
 
     # the model and generation choices, offered as choices
     model = ("spec", "Model (Optional)")
-    assert shown[(*model, "Engine (Optional)")]["selects"] == [["auto", "vllm", "transformers", "onnxruntime"]]
+    assert shown[(*model, "Engine (Optional)")]["selects"] == [["auto", "vllm", "transformers", "onnxruntime", "openvino"]]
     assert shown[(*model, "Dtype (Optional)")]["selects"] == [list(DTYPES)]
     assert shown[(*model, "Name (Optional)")]["choices"] == ["Path or Hugging Face name", "Built-in model"]
     assert shown[(*model, "Quantization (Optional)")]["choices"] == ["Common method", "Other vLLM method", "None"]
@@ -399,7 +399,7 @@ def test_the_run_form_shows_every_jobspec_section_titled_with_its_described_fiel
     assert shown[(*generation, "Response format (Optional)")]["chosen"] == ["Response format"]
     # the gate's candidate and reference are models with the same choices
     gate = ("spec", "Eval gate (Optional)")
-    assert shown[(*gate, "Reference model", "Engine (Optional)")]["selects"] == [["auto", "vllm", "transformers", "onnxruntime"]]
+    assert shown[(*gate, "Reference model", "Engine (Optional)")]["selects"] == [["auto", "vllm", "transformers", "onnxruntime", "openvino"]]
     assert shown[(*gate, "Candidate model (Optional)", "Dtype (Optional)")]["selects"] == [list(DTYPES)]
 
     # a union's enum option renders as a select once chosen: the quantization methods, the built-in models

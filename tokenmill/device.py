@@ -67,10 +67,13 @@ def device_label() -> str:
     return name
 
 
+CPU_ONLY_ENGINES = ("onnxruntime", "openvino")
+
+
 def engine_device(engine: str) -> str:
     """The device as the engine itself sees it (the run record's `device` param): CUDA's name for
-    transformers, vLLM's platform for vllm, "cpu" on a CPU (always, for onnxruntime)."""
-    if engine == "onnxruntime":
+    transformers, vLLM's platform for vllm, "cpu" on a CPU (always, for onnxruntime and openvino)."""
+    if engine in CPU_ONLY_ENGINES:
         return "cpu"
     if engine == "transformers":
         import torch

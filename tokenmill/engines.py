@@ -69,6 +69,10 @@ def start_engine(model_path: str, spec: JobSpec) -> Engine:
         from tokenmill.onnx_engine import OnnxEngine
 
         return OnnxEngine(model_path, spec)
+    if spec.model.engine == "openvino":
+        from tokenmill.openvino_engine import OpenVinoEngine
+
+        return OpenVinoEngine(model_path, spec)
     return VLLMEngine(model_path, spec)
 
 

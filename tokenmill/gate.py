@@ -277,6 +277,8 @@ def run_sample(job: JobSpec, texts: list[str], engine: Engine | None = None) -> 
 WARM_UP_ROWS = 8
 
 
+# the libraries a candidate's outputs and speed depend on (verdicts and rates are kept per their versions)
+GATE_LIBRARIES = (*TRIAL_LIBRARIES, "onnxruntime", "openvino", "nncf")
 GATE_CACHE_VERSION = 1  # bump when what the gate measures changes: older verdicts are not comparable
 
 
@@ -304,7 +306,7 @@ def verdict_key(spec: JobSpec, texts: list[str]) -> str:
                 "models": [[m.model_dump(mode="json"), _files_identity(resolve_model(job_for(spec, m).model_name))]
                            for m in models],
                 "thresholds": thresholds_for(spec), "device": device_label(),
-                "versions": library_versions((*TRIAL_LIBRARIES, "onnxruntime")),
+                "versions": library_versions(GATE_LIBRARIES),
                 "generation": _gate_job(spec, spec.model).generation.model_dump(mode="json")
                 if spec.mode == "generate" else None,
                 "max_input_tokens": spec.model.max_input_tokens, "overlong": spec.overlong}
@@ -376,7 +378,7 @@ def measure(spec: JobSpec, texts: list[str], source: str) -> GateReport:
 def _rate_key(job: JobSpec) -> str:
     """A candidate's identity for its measured rate: the model, its files, the device, the libraries."""
     return stable_digest([job.model.model_dump(mode="json"), job.mode, _files_identity(resolve_model(job.model_name)),
-                          device_label(), library_versions((*TRIAL_LIBRARIES, "onnxruntime"))], 24)
+                          device_label(), library_versions(GATE_LIBRARIES)], 24)
 
 
 def _note_rate(job: JobSpec, lengths: int, tokens_per_s: float) -> None:

@@ -109,15 +109,21 @@ def weights_digest(model_path: str) -> str:
 
 
 def _cached(name: str, identity: dict, make) -> Path:
-    folder = models_home() / "onnx" / f"{name}.{stable_digest(identity, 12)}"
-    model_file = folder / "model.onnx"
+    return cached_model("onnx", name, identity, make, "model.onnx")
+
+
+def cached_model(kind: str, name: str, identity: dict, make, file_name: str) -> Path:
+    """models_home()/kind/<name>.<digest of identity>/file_name, made by make(staging path) when missing
+    (in a staging folder, renamed whole: a reader sees no folder or a finished one)."""
+    folder = models_home() / kind / f"{name}.{stable_digest(identity, 12)}"
+    model_file = folder / file_name
     if model_file.exists():
         return model_file
     staging = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     started = time.perf_counter()
-    make(staging / "model.onnx")
+    make(staging / file_name)
     (staging / "made.json").write_text(json.dumps({**identity, "seconds": time.perf_counter() - started},
                                                   indent=1, sort_keys=True))
     try:

@@ -9,7 +9,7 @@ answers the rows that did not.
 the prompt is rendered and the overlong policy applied), under the identity of everything else that
 decides the output (`cache_identity`): the model's name and a fingerprint of its files' contents, the
 engine, the dtype as it resolves on this kind of device, the quantization (for ONNX Runtime, its recipe
-as applied on this CPU), engine_kwargs, the mode, the pooling and normalisation (embed) or the sampling
+as applied on this CPU; for OpenVINO, its recipe and a digest of its calibration rows), engine_kwargs, the mode, the pooling and normalisation (embed) or the sampling
 parameters (generate; the seed only when sampling). Not in it: batch settings and library versions
 (speed, and the low bits of floats; the shard key leaves them out for the same reason).
 
@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from tokenmill.device import CPU_ONLY_ENGINES
 from tokenmill.digest import stable_digest
 from tokenmill.embedding import read_pooling
 from tokenmill.engine_protocol import Generation
@@ -93,8 +94,8 @@ def cache_identity(spec: JobSpec, model_path: str, engine_name: str) -> dict[str
         "model": spec.model_name,
         "weights": weights_fingerprint(model_path, model.engine_kwargs.get("revision")),
         "engine": engine_name,
-        "device": "cpu" if engine_name == "onnxruntime" else device_kind(),
-        "dtype": "float32" if engine_name == "onnxruntime" else model.dtype,
+        "device": "cpu" if engine_name in CPU_ONLY_ENGINES else device_kind(),
+        "dtype": "float32" if engine_name in CPU_ONLY_ENGINES else model.dtype,
         "quantization": model.quantization,
         "engine_kwargs": model.engine_kwargs,
     }
@@ -102,6 +103,8 @@ def cache_identity(spec: JobSpec, model_path: str, engine_name: str) -> dict[str
         from tokenmill.onnx_models import recipe
 
         identity["onnx_recipe"] = recipe(model.quantization)  # int8 reduces its range on a CPU without VNNI
+    if engine_name == "openvino" and model.quantization is not None:
+        identity["openvino_recipe"] = openvino_identity(spec, model_path)
     if spec.mode == "embed":
         pooling = read_pooling(model_path) if Path(model_path).is_dir() else None
         identity["pooling"] = asdict(pooling) if pooling else "engine's own"
@@ -111,6 +114,16 @@ def cache_identity(spec: JobSpec, model_path: str, engine_name: str) -> dict[str
             sampling.pop("seed", None)  # greedy: the seed draws nothing
         identity["sampling"] = sampling
     return identity
+
+
+def openvino_identity(spec: JobSpec, model_path: str) -> dict[str, Any]:
+    """OpenVINO int8's recipe as applied here, and its calibration rows (another corpus: another model)."""
+    from tokenmill.openvino_engine import calibration
+    from tokenmill.openvino_models import recipe
+
+    how = recipe(spec.model.quantization)
+    how.pop("versions")  # library versions are not in the row cache's key (see the module's docstring)
+    return {**how, "calibration": calibration(spec, model_path)[1]}
 
 
 @functools.cache

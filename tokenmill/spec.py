@@ -30,6 +30,8 @@ DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16
 # knows is accepted too (the list changes with every vLLM release; see _vllm_quantizations).
 # The ONNX Runtime engine's own methods (tokenmill.onnx_models.RECIPES says how each is made).
 ONNX_QUANTIZATIONS = ("int8", "int8-partial", "int4")
+# The OpenVINO engine's (tokenmill.openvino_models.RECIPES): int8 calibrated on the job's own rows.
+OPENVINO_QUANTIZATIONS = ("int8",)
 QUANTIZATIONS = ONNX_QUANTIZATIONS + ("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors",
                                       "bitsandbytes", "gguf", "modelopt", "modelopt_fp4", "mxfp4", "experts_int8",
                                       "torchao")
@@ -91,14 +93,15 @@ class ModelSpec(_Spec):
         f"({DEFAULT_EMBED_MODEL}, {DEFAULT_GENERATE_MODEL}). Empty: the default for the mode.",
         json_schema_extra=_model_name_form,
     )
-    engine: Literal["auto", "vllm", "transformers", "onnxruntime"] = Field(
+    engine: Literal["auto", "vllm", "transformers", "onnxruntime", "openvino"] = Field(
         "auto",
         description="auto: a short timed trial on the job's sample picks the engine that finishes the job "
         "soonest here (cached per model, mode and device; the reason is in the run record); it never changes "
         "the precision (a quantized candidate goes through the eval gate). vllm: continuous "
         "batching, the fast path for generation and large models. transformers: plain PyTorch with length "
         "buckets, often faster for small encoders. onnxruntime: embedding models exported to ONNX once, "
-        "float32 or quantized (int8, int8-partial, int4): the cheap tier on CPU.",
+        "float32 or quantized (int8, int8-partial, int4): the cheap tier on CPU. openvino: the same export run "
+        "by OpenVINO, float32 or int8 (static, calibrated by NNCF on a sample of the job's own rows).",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
@@ -108,8 +111,8 @@ class ModelSpec(_Spec):
     quantization: str | None = Field(
         None,
         description="onnxruntime engine: int8 (dynamic int8, weights per channel), int8-partial (the same, FFN "
-        "output projections kept in float32), int4 (4-bit weight blocks); the quantized model is made once per "
-        "machine and cached. vLLM: 'fp8' quantizes a 16-bit model's weights when it loads (GPU); awq, gptq, "
+        "output projections kept in float32), int4 (4-bit weight blocks); openvino engine: int8 (static int8, "
+        "calibrated on the job's rows); the quantized model is made once per machine and cached. vLLM: 'fp8' quantizes a 16-bit model's weights when it loads (GPU); awq, gptq, "
         "compressed-tensors, ... read a checkpoint quantized that way. Empty: the weights as stored.",
         json_schema_extra=_quantization_form,
     )
@@ -165,9 +168,12 @@ class ModelSpec(_Spec):
         if self.engine == "onnxruntime" and self.quantization is not None and not onnx_method:
             raise ValueError(f"quantization {self.quantization!r} is vLLM's; the onnxruntime engine makes "
                              f"{', '.join(ONNX_QUANTIZATIONS)}")
-        if onnx_method and self.engine not in ("onnxruntime", "auto"):
+        if self.engine == "openvino" and self.quantization not in (None, *OPENVINO_QUANTIZATIONS):
+            raise ValueError(f"quantization {self.quantization!r}: the openvino engine makes "
+                             f"{', '.join(OPENVINO_QUANTIZATIONS)} (or runs the float32 model)")
+        if onnx_method and self.engine not in ("onnxruntime", "openvino", "auto"):
             raise ValueError(f"quantization {self.quantization!r} is made by the onnxruntime engine; "
-                             f"set engine: onnxruntime (or auto), not {self.engine}")
+                             f"set engine: onnxruntime (openvino too for int8, or auto), not {self.engine}")
         return self
 
 
@@ -573,10 +579,10 @@ class JobSpec(_Spec):
 
     @model_validator(mode="after")
     def _engine_supports_generation(self) -> JobSpec:
-        if self.mode == "generate" and (self.model.engine == "onnxruntime"
+        if self.mode == "generate" and (self.model.engine in ("onnxruntime", "openvino")
                                         or self.model.quantization in ONNX_QUANTIZATIONS):
-            raise ValueError("the onnxruntime engine (and its int8/int4 models) embeds; generation runs on "
-                             "model.engine vllm or transformers")
+            raise ValueError(f"the {self.model.engine if self.model.engine == 'openvino' else 'onnxruntime'} engine "
+                             "(and its int8/int4 models) embeds; generation runs on model.engine vllm or transformers")
         if self.mode == "generate" and self.model.engine == "transformers":
             unsupported = transformers_unsupported(self.generation)
             if unsupported:
