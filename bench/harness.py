@@ -41,8 +41,8 @@ class Variant:
     tokens: int = 0  # real (unpadded) tokens per run
     items: int = 0
     padded_slots: int | None = None
-    kind: str = ""
     seconds: list[float] = field(default_factory=list)
+    kind: str = ""
     last: Any = None  # what the last run returned
 
     @property

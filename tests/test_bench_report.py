@@ -24,8 +24,8 @@ def results(memory: bool = True) -> bench.BenchResults:
     tokenmill_vllm = timed("tokenmill end to end (vLLM)", [2.1, 2.0, 1.9])  # median 2.0: 5,000 tokens/s
     return bench.BenchResults(
         command="python -m bench.run --repeats 3 ",
-        started_at=dt.datetime(2026, 11, 22, 14, 59, tzinfo=dt.timezone.utc),
-        machine="Test CPU, 2 logical cores", gpu="no GPU on this machine", docs=100, tokens=10_000, repeats=3,
+        machine={"date": "2026-11-22 14:59 UTC", "commit": "abc1234", "cpu": "Test CPU", "flags": ["avx512_vnni"],
+                 "cores": 2, "ram_gib": 24.0, "gpu": None, "python": "3.11.7"}, docs=100, tokens=10_000, repeats=3,
         end_to_end=bench.EndToEndVsDirect(tokenmill=tokenmill_vllm,
                                           direct=timed("vLLM LLM.embed(texts) directly", [1.6, 1.6, 1.6])),
         offline=bench.OfflineVsOneAtATime(
@@ -87,8 +87,9 @@ def test_report_renders_the_targets_table(tmp_path):
     bench.write_report(results(), path)
     text = path.read_text()
 
-    assert text.startswith("# tokenmill benchmarks\n\nWritten by `make bench` (`python -m bench.run --repeats 3`)")
-    assert "- **Date:** 2026-11-22 14:59 UTC\n- **Machine:** Test CPU, 2 logical cores\n" in text
+    assert text.startswith("# tokenmill benchmarks\n\nWritten by `python -m bench.run --repeats 3`")
+    assert ("- **Date:** 2026-11-22 14:59 UTC\n- **Commit:** abc1234\n- **Machine:** Test CPU (avx512_vnni), 2 logical "
+            "cores, 24 GiB RAM; GPU: none; Python 3.11.7\n") in text
     assert "- **Corpus:** 100 documents of the sample corpus (10,000 tokens after truncation at 256)" in text
     assert "after one warm-up run each; 3 rounds; medians and ratios." in text
     assert table_after(text, "## Against the targets") == [
@@ -156,16 +157,16 @@ def test_whole_run_report_states_ratios_against_the_goals():
                                                   "measured_wall_seconds": measured},
                          params={"engine": "transformers"})
 
-    st = whole.Variant("sentence-transformers script", ["python", "bench/baselines/st_embed.py"], Path("x"), "script",
+    st = whole.process_variant("sentence-transformers script", ["python", "bench/baselines/st_embed.py"], Path("x"), "script",
                        runs=[whole.Run(60.0, 45.0), whole.Run(62.0, 46.0)])
-    ours = whole.Variant("tokenmill run", ["python", "-m", "tokenmill.cli"], Path("y"), "tokenmill",
+    ours = whole.process_variant("tokenmill run", ["python", "-m", "tokenmill.cli"], Path("y"), "tokenmill",
                          runs=[tokenmill_run(40.0, 30.0, 44.0, 39.0), tokenmill_run(42.0, 31.0, 44.0, 41.0)],
                          warmup=whole.Run(90.0))
-    raw = whole.Variant("LLM.chat, one call", ["python", "bench/baselines/vllm_chat.py"], Path("z"), "script",
+    raw = whole.process_variant("LLM.chat, one call", ["python", "bench/baselines/vllm_chat.py"], Path("z"), "script",
                         runs=[whole.Run(80.0, 40.0)])
-    gen = whole.Variant("tokenmill run", ["python", "-m", "tokenmill.cli"], Path("w"), "tokenmill",
+    gen = whole.process_variant("tokenmill run", ["python", "-m", "tokenmill.cli"], Path("w"), "tokenmill",
                         runs=[tokenmill_run(100.0, 50.0, 90.0, 100.0)], warmup=whole.Run(150.0))
-    forced = whole.Variant("tokenmill run --engine vllm", ["python", "-m", "tokenmill.cli"], Path("v"), "tokenmill",
+    forced = whole.process_variant("tokenmill run --engine vllm", ["python", "-m", "tokenmill.cli"], Path("v"), "tokenmill",
                            runs=[tokenmill_run(160.0, 44.0, 150.0, 160.0)])
     text = whole.render({"embed short": [st, ours], "generate summary": [raw, gen, forced]},
                         {"embed short": {"rows": 3000}, "generate summary": {"rows": 96}}, rounds=2)
@@ -176,4 +177,4 @@ def test_whole_run_report_states_ratios_against_the_goals():
     # every tokenmill variant is set against the script: the vLLM feed against one LLM.chat call, engine to engine
     assert ("| generate summary | tokenmill run --engine vllm | LLM.chat, one call | 0.50× | ≥ 0.9× | no | 0.91× "
             "| -6.2% | not run (--no-warmup) |") in text
-    assert "| embed short | 3,000 | tokenmill run | 41.0 | 40.0, 42.0 | 30.5 | transformers | 9.0 | 44.0 |" in text
+    assert "| embed short | 3,000 | tokenmill run | 41.0 | 40.0, 42.0 | 30.5 | transformers | 9.0 | 44.0 |  |" in text
