@@ -281,7 +281,7 @@ REPORTS = {
     "GENERATE_INT8.md": ("int8 (W8A8) SmolLM2 vs float32 on vLLM's CPU backend: tokens/s and agreement",
                          "python -m bench.generate_int8"),
     "GPU_RESULTS.md": ("the GPU figures: embed vs sentence-transformers, calibrate, batched generation",
-                       "make bench-gpu (bench/gpu.py, on a GPU machine)"),
+                       "make bench-gpu"),
     "CHEAP_TIER.md": ("the cheap tier: quantized/ONNX embedding rungs vs the fp32 script, quality and cost",
                       "python -m bench.cheap_tier"),
     "PREDICTION.md": ("the wall-time prediction against measured runs", "python -m bench.prediction"),
@@ -293,17 +293,18 @@ _DATE = re.compile(r"\b(\d{4}-\d{2}-\d{2})(?:[ T](\d{2}:\d{2}))?")
 _COMMIT = re.compile(r"\bcommit:?\**:?\s+([0-9a-f]{7,40})", re.IGNORECASE)
 
 
-def _last_edit(path: Path) -> str | None:
+def _last_commit(path: Path, field: str) -> str | None:
+    """A field (git log format: %cs its date, %h its hash) of the last commit that changed the file."""
     try:
-        return subprocess.run(["git", "log", "-1", "--format=%cs", "--", path.name], cwd=path.parent,
+        return subprocess.run(["git", "log", "-1", f"--format={field}", "--", path.name], cwd=path.parent,
                               capture_output=True, text=True, timeout=30).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
 
 def report_header(path: Path) -> dict[str, str | None]:
-    """The title, date and commit a report states in its first lines; a report that states no date
-    (prose) is dated by its last commit."""
+    """The title, date and commit a report states in its first lines; where it states none (prose, or a
+    report older than the harness), those of the last commit that changed the file, so marked."""
     head = path.read_text().splitlines()[:15]
     title = next((line.lstrip("# ").strip() for line in head if line.startswith("# ")), path.stem)
     date = commit = None
@@ -312,8 +313,10 @@ def report_header(path: Path) -> dict[str, str | None]:
             date = " ".join(part for part in found.groups() if part)
         if commit is None and (found := _COMMIT.search(line)):
             commit = found.group(1)[:7]
-    if date is None and (edited := _last_edit(path)):
+    if date is None and (edited := _last_commit(path, "%cs")):
         date = f"{edited} (last edited)"
+    if commit is None and (changed := _last_commit(path, "%h")):
+        commit = f"{changed} (file's last commit)"
     return {"title": title, "date": date, "commit": commit}
 
 
