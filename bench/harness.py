@@ -125,23 +125,24 @@ class _TreeSampler(threading.Thread):
     def run(self) -> None:
         import psutil
 
+        def rss(proc) -> int:
+            try:
+                return proc.memory_info().rss
+            except psutil.Error:
+                return 0
+
         try:
             root = psutil.Process(self.pid)
         except psutil.Error:
             return
         while not self.stop.is_set():
-            total = 0
             try:
-                tree = [root] + root.children(recursive=True)
-                self.peak_root = max(self.peak_root, root.memory_info().rss)
+                children = root.children(recursive=True)
             except psutil.Error:
-                tree = []
-            for proc in tree:
-                try:
-                    total += proc.memory_info().rss
-                except psutil.Error:
-                    pass
-            self.peak = max(self.peak, total)
+                children = []
+            own = rss(root)
+            self.peak_root = max(self.peak_root, own)
+            self.peak = max(self.peak, own + sum(map(rss, children)))
             self.stop.wait(self.interval)
 
 
