@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bench import corpora, harness
-from bench.whole import ROOT, Run, Variant, process_variant, run_once, tokenmill_command
+from bench.whole import ROOT, Run, Variant, run_once, tokenmill_command
 
 REPORT = ROOT / "bench" / "ROW_CACHE.md"
 WORK = ROOT / "data" / "bench" / "row-cache"
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     report = args.report or (WORK / "ROW_CACHE-quick.md" if args.quick else REPORT)
     if args.render:
         saved = json.loads((WORK / "results.json").read_text())
-        results = {k: (process_variant(v["name"], [], WORK), Run(v["wall"], metrics=v["metrics"]))
+        results = {k: (Variant(v["name"], [], WORK), Run(v["wall"], metrics=v["metrics"]))
                    for k, v in saved.items() if k != "rows"}
         report.write_text(render(results, saved["rows"]))
         print(f"wrote {report}")
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     def job(name: str, output: Path, *extra: str) -> Variant:
         # Variant.output is what run_once empties first: a scratch path for re-runs, whose output root
         # is restored from the snapshot here instead
-        return process_variant(name, tokenmill_command(source, output, EXPERIMENT, *common, *extra),
+        return Variant(name, tokenmill_command(source, output, EXPERIMENT, *common, *extra),
                        output if output != out else WORK / "scratch", "tokenmill")
 
     versions = {name: write(WORK / "corpora" / f"{name}.parquet", *table) for name, table in made.items()}

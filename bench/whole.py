@@ -60,18 +60,23 @@ class Run:
     peak_gib: float | None = None  # the process tree's resident memory at its highest
 
 
-@dataclass
+@dataclass(init=False)
 class Variant(harness.Variant):
     """A harness variant that is a whole process: its command, and what each run of it recorded."""
 
-    run: None = None
     command: list[str] = field(default_factory=list)
-    output: Path = WORK
-    kind: str = "tokenmill"  # tokenmill | script
+    output: Path = WORK  # emptied before each run
     runs: list[Run] = field(default_factory=list)
     warmup: Run | None = None
     env: dict[str, str] = field(default_factory=dict)  # over the bench's own (ENV)
     fresh: tuple[Path, ...] = ()  # emptied before each run: caches a first run on a machine lacks
+
+    def __init__(self, name: str, command: list[str], output: Path, kind: str = "tokenmill",  # or "script"
+                 runs: list[Run] | None = None, warmup: Run | None = None, env: dict[str, str] | None = None,
+                 fresh: tuple[Path, ...] = ()):
+        super().__init__(name, None, kind=kind)
+        self.command, self.output, self.runs, self.warmup = command, output, list(runs or []), warmup
+        self.env, self.fresh = dict(env or {}), fresh
 
     def median_wall(self) -> float:
         return statistics.median(r.wall for r in self.runs)
@@ -83,10 +88,6 @@ class Variant(harness.Variant):
     def median_peak(self) -> float | None:
         values = [r.peak_gib for r in self.runs if r.peak_gib is not None]
         return statistics.median(values) if values else None
-
-
-def process_variant(name: str, command: list[str], output: Path, kind: str = "tokenmill", **extra) -> Variant:
-    return Variant(name, None, command=command, output=output, kind=kind, **extra)
 
 
 def tracking_db() -> Path:
@@ -141,14 +142,14 @@ def build_variants(quick: bool, experiment: str, scale: float = 1.0) -> tuple[di
         about[f"embed {shape}"] = {"rows": rows, "source": source}
         out = WORK / "out" / shape
         jobs[f"embed {shape}"] = [
-            process_variant("sentence-transformers script", [sys.executable, "bench/baselines/st_embed.py", str(source),
+            Variant("sentence-transformers script", [sys.executable, "bench/baselines/st_embed.py", str(source),
                                                      str(out / "st.parquet"), str(get_model_path())],
                     out / "st.parquet", "script"),
-            process_variant("tokenmill run", tokenmill_command(source.parent, out / "tm", experiment), out / "tm",
+            Variant("tokenmill run", tokenmill_command(source.parent, out / "tm", experiment), out / "tm",
                     "tokenmill"),
         ]
         if shape == "short":
-            jobs[f"embed {shape}"].append(process_variant(
+            jobs[f"embed {shape}"].append(Variant(
                 "tokenmill run --engine vllm", tokenmill_command(source.parent, out / "tm-vllm", experiment,
                                                                   "--engine", "vllm"), out / "tm-vllm", "tokenmill"))
     smollm2 = resolve_model("SmolLM2-135M-Instruct")
@@ -165,12 +166,12 @@ def build_variants(quick: bool, experiment: str, scale: float = 1.0) -> tuple[di
         generate_flags = ("--mode", "generate", "--max-tokens", str(GENERATE_MAX_TOKENS),
                           "--set", f"generation.messages={messages}")
         jobs[name] = [
-            process_variant("LLM.chat, one call", [sys.executable, "bench/baselines/vllm_chat.py", str(folder / "docs.parquet"),
+            Variant("LLM.chat, one call", [sys.executable, "bench/baselines/vllm_chat.py", str(folder / "docs.parquet"),
                                            str(out / "raw.parquet"), smollm2, str(GENERATE_MAX_TOKENS), template],
                     out / "raw.parquet", "script"),
-            process_variant("tokenmill run", tokenmill_command(folder, out / "tm", experiment, *generate_flags),
+            Variant("tokenmill run", tokenmill_command(folder, out / "tm", experiment, *generate_flags),
                     out / "tm", "tokenmill"),
-            process_variant("tokenmill run --engine vllm",
+            Variant("tokenmill run --engine vllm",
                     tokenmill_command(folder, out / "tm-vllm", experiment, *generate_flags, "--engine", "vllm"),
                     out / "tm-vllm", "tokenmill"),
         ]

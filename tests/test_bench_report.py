@@ -157,16 +157,16 @@ def test_whole_run_report_states_ratios_against_the_goals():
                                                   "measured_wall_seconds": measured},
                          params={"engine": "transformers"})
 
-    st = whole.process_variant("sentence-transformers script", ["python", "bench/baselines/st_embed.py"], Path("x"), "script",
+    st = whole.Variant("sentence-transformers script", ["python", "bench/baselines/st_embed.py"], Path("x"), "script",
                        runs=[whole.Run(60.0, 45.0), whole.Run(62.0, 46.0)])
-    ours = whole.process_variant("tokenmill run", ["python", "-m", "tokenmill.cli"], Path("y"), "tokenmill",
+    ours = whole.Variant("tokenmill run", ["python", "-m", "tokenmill.cli"], Path("y"), "tokenmill",
                          runs=[tokenmill_run(40.0, 30.0, 44.0, 39.0), tokenmill_run(42.0, 31.0, 44.0, 41.0)],
                          warmup=whole.Run(90.0))
-    raw = whole.process_variant("LLM.chat, one call", ["python", "bench/baselines/vllm_chat.py"], Path("z"), "script",
+    raw = whole.Variant("LLM.chat, one call", ["python", "bench/baselines/vllm_chat.py"], Path("z"), "script",
                         runs=[whole.Run(80.0, 40.0)])
-    gen = whole.process_variant("tokenmill run", ["python", "-m", "tokenmill.cli"], Path("w"), "tokenmill",
+    gen = whole.Variant("tokenmill run", ["python", "-m", "tokenmill.cli"], Path("w"), "tokenmill",
                         runs=[tokenmill_run(100.0, 50.0, 90.0, 100.0)], warmup=whole.Run(150.0))
-    forced = whole.process_variant("tokenmill run --engine vllm", ["python", "-m", "tokenmill.cli"], Path("v"), "tokenmill",
+    forced = whole.Variant("tokenmill run --engine vllm", ["python", "-m", "tokenmill.cli"], Path("v"), "tokenmill",
                            runs=[tokenmill_run(160.0, 44.0, 150.0, 160.0)])
     text = whole.render({"embed short": [st, ours], "generate summary": [raw, gen, forced]},
                         {"embed short": {"rows": 3000}, "generate summary": {"rows": 96}}, rounds=2)
