@@ -784,7 +784,8 @@ def render_report(results: BenchResults) -> str:
 - **Corpus:** {results.docs} documents of the sample corpus ({results.tokens:,} tokens after truncation at 256), all-MiniLM-L6-v2
   for embeddings, SmolLM2-135M-Instruct for generation; fp32 on CPU
 - **Method:** every variant does the same work on the same texts in one process; rounds are interleaved
-  (each round runs every variant once) after one warm-up run each; {results.repeats} rounds; medians and ratios.
+  (each round runs every variant once, the order reversed every other round) after one warm-up run each;
+  {results.repeats} rounds; medians and ratios.
   Engine start is excluded: these are engine-path figures on the sample corpus. Whole processes as users run
   them (start-up included, corpora nobody tuned for, against a sentence-transformers script and one LLM.chat
   call): [WHOLE_RUN.md](WHOLE_RUN.md).

@@ -91,7 +91,7 @@ def test_report_renders_the_targets_table(tmp_path):
     assert ("- **Date:** 2026-11-22 14:59 UTC\n- **Commit:** abc1234\n- **Machine:** Test CPU (avx512_vnni), 2 logical "
             "cores, 24 GiB RAM; GPU: none; Python 3.11.7\n") in text
     assert "- **Corpus:** 100 documents of the sample corpus (10,000 tokens after truncation at 256)" in text
-    assert "after one warm-up run each; 3 rounds; medians and ratios." in text
+    assert "the order reversed every other round) after one warm-up run each;\n  3 rounds; medians and ratios." in text
     assert table_after(text, "## Against the targets") == [
         "| comparison | measured | target | met | note |", "|---|---|---|---|---|", *TARGET_ROWS]
     assert "```\n12.1 profile  bench/run.py\n```\n" in text
