@@ -16,8 +16,8 @@ Each variant is a separate process, timed from spawn to exit, start-up and shutd
   efficiency, whatever `auto` chooses.
 
 Rounds are interleaved (each round runs every variant once, the order reversed every other round;
-bench/harness.py), after one warm-up run of each tokenmill job, which pays for its engine trial once, as a user's first run on a machine does;
-its time is reported apart. Engine-only seconds come from the processes themselves (the
+bench/harness.py), after one warm-up run of each tokenmill job, which pays for its engine trial
+once, as a user's first run on a machine does; its time is reported apart. Engine-only seconds come from the processes themselves (the
 scripts print theirs; tokenmill's are in its MLflow run), so the table shows where a gap comes
 from: the engine, or the fixed seconds around it. tokenmill's own prediction of its wall time
 (tokenmill/prediction.py) is set beside the measured wall.
