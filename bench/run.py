@@ -38,7 +38,7 @@ from typing import Callable  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from bench.harness import GIB, Variant, header, interleave, machine, machine_line, run_process, table  # noqa: E402
+from bench.harness import Variant, header, interleave, machine, run_process  # noqa: E402
 from tokenmill.bucketing import input_order_batches, padding_stats, plan_batches  # noqa: E402
 from tokenmill.encoding import encode_rows, input_token_limit  # noqa: E402
 from tokenmill.engine_choice import resolve  # noqa: E402
