@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: install run test bench clean ui-screenshots
+.PHONY: install run test bench bench-index clean ui-screenshots
 
 install: $(STAMP)
 
@@ -43,10 +43,16 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# Every CPU bench (each writes its report in bench/), then the report index in bench/README.md, read from the
+# reports' own date and commit lines. `make bench-index` rewrites the index alone.
+BENCHES ?= run whole index_scale row_cache generate_int8 cheap_tier
+
 bench: $(STAMP)
-	$(BIN)/python -m bench.run
-	$(BIN)/python -m bench.whole
-	$(BIN)/python -m bench.index_scale
+	set -e; for b in $(BENCHES); do $(BIN)/python -m bench.$$b; done
+	$(BIN)/python -m bench.harness
+
+bench-index: $(STAMP)
+	$(BIN)/python -m bench.harness
 
 clean:
 	rm -rf output mlflow.db mlruns

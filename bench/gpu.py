@@ -32,20 +32,19 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.gpu_kit import GGUF_NAME, KIT, join_gguf, sha256  # noqa: E402  (standard library only)
+from bench.harness import Variant, cpu_info, git_commit, interleave  # noqa: E402  (likewise)
 
 SECTIONS = ("embed", "calibrate", "generate")
 GPU_RESULTS = ROOT / "bench" / "GPU_RESULTS.md"
@@ -164,43 +163,6 @@ def check(kit: Path) -> int:
 
 
 # --- timing ----------------------------------------------------------------------------------------------
-
-@dataclass
-class Variant:
-    """One way of doing the same work; timed once per round, between CUDA synchronisations."""
-
-    name: str
-    run: Callable[[], Any]
-    tokens: int
-    items: int
-    kind: str = ""
-    seconds: list[float] = field(default_factory=list)
-    last: Any = None
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.median
-
-    @property
-    def items_per_s(self) -> float:
-        return self.items / self.median
-
-
-def interleave(variants: list[Variant], repeats: int, sync: Callable[[], None]) -> None:
-    for variant in variants:
-        variant.last = variant.run()  # warm-up, not counted
-    for _ in range(repeats):
-        for variant in variants:
-            sync()
-            started = time.perf_counter()
-            variant.last = variant.run()
-            sync()
-            variant.seconds.append(time.perf_counter() - started)
-
 
 def measure_matmul_tflops(torch, device, n: int, dtype, iters: int = 10, warmup: int = 3) -> float:
     """n×n×n products on random data: what this device really reaches on dense matmul."""
@@ -497,13 +459,8 @@ def environment(args, torch, device, packages: str) -> dict:
                                             "pandera", "numpy", "pyarrow", "gguf")},
         "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM"),
     }
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} logical cores"
-                break
-    except OSError:
-        pass
+    model, flags = cpu_info()
+    info["cpu"] = f"{model}, {os.cpu_count()} logical cores" + (f" ({' '.join(flags)})" if flags else "")
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info["gpu_memory_gib"] = props.total_memory / 2**30
@@ -519,11 +476,7 @@ def environment(args, torch, device, packages: str) -> dict:
         info["kit"] = f"built {kit.get('built_at')} from commit {kit.get('commit')}"
         if "minilm" in kit:
             info["minilm_fp16_change"] = kit["minilm"].get("largest_change_fp32_to_fp16")
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                        timeout=30).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        info["commit"] = None
+    info["commit"] = git_commit(short=False)
     return info
 
 

@@ -23,7 +23,9 @@ on top, and the models, are built here once (this needs PyPI) into the ignored f
   travel in calls of their own, and the machine keeps them between calls while it is
   warm.
 
-Nothing here is tracked by git; `kit.json` lists each call's carry and size.
+Nothing here is tracked by git; `kit.json` lists each call's carry and size. The code travels with the
+working tree, tracked files only: `bench/gpu.py`, this file and `bench/harness.py` (the shared timing,
+process and header code, standard library only so that it runs there), with `tokenmill/`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
+
+from bench import harness  # standard library only, as this file is
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT = ROOT / ".gpukit"
@@ -239,14 +243,7 @@ def plan_calls(kit: Path, repo_bytes: int) -> list[dict]:
 
 
 def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, check=True,
-                               capture_output=True, text=True).stdout.strip()
-        return head + (" (with uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return harness.git_commit(ROOT, short=False) or "unknown"
 
 
 def build(kit: Path = KIT, documents: int = 20_000, wheels: bool = True, smollm2: bool = True,

@@ -19,15 +19,11 @@
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,13 +33,12 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import GIB, header, run_process  # noqa: E402
 from bench.run import IndexBuildRun, index_build_run  # noqa: E402
 from tokenmill.sample_corpus import write_sample_corpus  # noqa: E402
-from tokenmill.memory import PeakMemory  # noqa: E402
 
 REPORT = ROOT / "bench" / "INDEX_SCALE.md"
 SAMPLE = ROOT / "data" / "sample-corpus"
-GIB = 2**30
 # Both jobs cut shards of this many rows, so the job on a tenth of the corpus also runs full shards
 # (with the default 5,000 it would run one 2,000-row shard against the whole job's 5,000-row ones,
 # and the comparison would measure the shard size, not the corpus size).
@@ -78,17 +73,7 @@ def embed_with_index(source: Path, output: Path, scratch: Path) -> JobRun:
             "--experiment", "tokenmill-bench-index"]
     env = dict(os.environ, PREFECT_HOME=str(scratch / "prefect"), HF_HUB_OFFLINE="1",
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
-    started = time.perf_counter()
-    process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
-    reader.start()
-    with PeakMemory(process.pid, interval=0.2) as memory:
-        process.wait()
-    reader.join(timeout=10)
-    wall = time.perf_counter() - started
-    if process.returncode != 0:
-        raise RuntimeError(f"tokenmill run on {source} failed:\n{''.join(lines)[-3000:]}")
+    run = run_process(args, env=env, interval=0.2).check(f"tokenmill run on {source}")
     report = json.loads((output / "_index" / "index.json").read_text())
     manifest = json.loads((output / "_manifest.json").read_text())
     import mlflow
@@ -97,7 +82,7 @@ def embed_with_index(source: Path, output: Path, scratch: Path) -> JobRun:
     runs = mlflow.search_runs(experiment_names=["tokenmill-bench-index"], order_by=["start_time DESC"],
                               max_results=1)
     engine = str(runs.iloc[0].get("params.engine", "")) if len(runs) else ""
-    return JobRun(rows=manifest["totals"]["rows_in"], wall_s=wall, peak_tree_gib=memory.peak_gib,
+    return JobRun(rows=manifest["totals"]["rows_in"], wall_s=run.wall_s, peak_tree_gib=run.peak_gib,
                   engine=engine, report=report)
 
 
@@ -162,20 +147,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(job: JobRun, small: JobRun, builds: dict[str, IndexBuildRun]) -> str:
-    from tokenmill.device import cpu_model
-
     r = job.report
     share = r["build_seconds"] / r["embed_seconds"] if r.get("embed_seconds") else None
     flat1, default10, flat10 = builds["1x, flat"], builds["10x, default"], builds["10x, flat"]
     ratio = default10.peak_gib / flat1.peak_gib
     rest_ratio = (default10.peak_gib - default10.index_bytes / GIB) / (flat1.peak_gib - flat1.index_bytes / GIB)
     lines = [
-        "# The index stage at the sample corpus's scale",
-        "",
-        "Written by `python -m bench.index_scale` (part of `make bench`); do not edit by hand.",
-        "",
-        f"- **Date:** {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- **Machine:** {cpu_model()}, {os.cpu_count()} logical cores, Python {sys.version.split()[0]}",
+        *header("The index stage at the sample corpus's scale", "python -m bench.index_scale (part of make bench)"),
         f"- **Job:** `tokenmill run --input data/sample-corpus --set index={{}} --max-shard-rows {SHARD_ROWS}` "
         f"({job.rows:,} documents, "
         f"all-MiniLM-L6-v2, engine auto: it chose {job.engine}), one process timed spawn to exit.",

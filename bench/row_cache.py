@@ -22,7 +22,6 @@ re-runs' goals are against the first run's engine tokens and wall time.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import random
@@ -33,7 +32,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench import corpora
+from bench import corpora, harness
 from bench.whole import ROOT, Run, Variant, run_once, tokenmill_command
 
 REPORT = ROOT / "bench" / "ROW_CACHE.md"
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     report = args.report or (WORK / "ROW_CACHE-quick.md" if args.quick else REPORT)
     if args.render:
         saved = json.loads((WORK / "results.json").read_text())
-        results = {k: (Variant(v["name"], [], WORK, "tokenmill"), Run(v["wall"], metrics=v["metrics"]))
+        results = {k: (Variant(v["name"], [], WORK), Run(v["wall"], metrics=v["metrics"]))
                    for k, v in saved.items() if k != "rows"}
         report.write_text(render(results, saved["rows"]))
         print(f"wrote {report}")
@@ -166,8 +165,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(results: dict[str, tuple[Variant, Run]], rows: int) -> str:
-    from tokenmill.device import cpu_model
-
     def m(key: str, name: str) -> float:
         return results[key][1].metrics.get(name, 0.0)
 
@@ -175,16 +172,11 @@ def render(results: dict[str, tuple[Variant, Run]], rows: int) -> str:
         return results[key][1].wall
 
     lines = [
-        "# Row cache: nightly re-runs pay only for what changed",
-        "",
-        "Written by `python -m bench.row_cache`; do not edit by hand.",
-        "",
-        f"- **Date:** {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- **Machine:** {cpu_model()}, {os.cpu_count()} logical cores (shared), Python {sys.version.split()[0]}",
+        *harness.header("Row cache: nightly re-runs pay only for what changed", "python -m bench.row_cache"),
         f"- **Corpus:** {rows:,} distinct CPython docstrings (bench/corpora.py `mixed`, as written, one word to "
         f"pages, truncated at 256 tokens), one Parquet file, shards of {SHARD_ROWS:,} rows; MiniLM on the "
         "ONNX Runtime engine (float32).",
-        "- **Method:** every run a separate `tokenmill run` process, timed spawn to exit, one round; re-runs start "
+        "- **Method:** every run a separate `tokenmill run` process, timed spawn to exit (bench/harness.py), one round; re-runs start "
         "from the output root the first run left. Engine tokens: the run's `engine_tokens` metric.",
         "",
         "| run | wall s | engine s | engine tokens | rows from cache | rows collapsed | shards cached | hit rate |",

@@ -26,13 +26,10 @@ for _name, _value in {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
 import argparse  # noqa: E402
 import datetime as dt  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field, fields  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -41,12 +38,12 @@ from typing import Callable  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
+from bench.harness import Variant, header, interleave, machine, run_process  # noqa: E402
 from tokenmill.bucketing import input_order_batches, padding_stats, plan_batches  # noqa: E402
 from tokenmill.encoding import encode_rows, input_token_limit  # noqa: E402
 from tokenmill.engine_choice import resolve  # noqa: E402
 from tokenmill.engine_protocol import Engine, token_budget  # noqa: E402
 from tokenmill.engines import close_engines, get_engine  # noqa: E402
-from tokenmill.memory import PeakMemory  # noqa: E402
 from tokenmill.models import resolve_model  # noqa: E402
 from tokenmill.runner import run_batches, run_shard  # noqa: E402
 from tokenmill.sample_corpus import write_sample_corpus  # noqa: E402
@@ -64,45 +61,6 @@ MAX_SHARD_ROWS = 1000
 # --quick: the same comparisons on a corpus small enough that the whole run proves the path, not the figures
 QUICK = {"docs": 32, "repeats": 1, "single_docs": 8, "buckets_docs": 32, "generate_docs": 4,
          "results": ROOT / "data" / "bench" / "RESULTS-quick.md", "experiment": f"{EXPERIMENT}-quick"}
-
-
-@dataclass
-class Variant:
-    """One way of doing the same work; timed once per round."""
-
-    name: str
-    run: Callable[[], object] | None  # None once timing is done and its engines and models are let go
-    tokens: int  # real (unpadded) tokens per run
-    items: int
-    padded_slots: int | None = None
-    seconds: list[float] = field(default_factory=list)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.median
-
-    @property
-    def items_per_s(self) -> float:
-        return self.items / self.median
-
-    @property
-    def padding(self) -> float | None:
-        return None if self.padded_slots is None else 1 - self.tokens / self.padded_slots
-
-
-def interleave(variants: list[Variant], repeats: int) -> None:
-    """Round-robin: each round runs every variant once, so drift on a shared machine hits all alike."""
-    for variant in variants:
-        variant.run()  # warm-up, not counted
-    for _ in range(repeats):
-        for variant in variants:
-            started = time.perf_counter()
-            variant.run()
-            variant.seconds.append(time.perf_counter() - started)
 
 
 def variants_of(*comparisons) -> list[Variant]:
@@ -528,19 +486,10 @@ def peak_memory_of_run(corpus: Path, scratch: Path, max_shard_rows: int) -> Peak
             "--max-shard-rows", str(max_shard_rows), "--no-progress",
             "--tracking-uri", f"sqlite:///{scratch}/mlflow-memory.db"]
     env = dict(os.environ, PREFECT_HOME=str(scratch / f"prefect-{corpus.name}"))
-    started = time.perf_counter()
-    process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log_lines: list[str] = []
-    reader = threading.Thread(target=lambda: log_lines.extend(process.stdout), daemon=True)
-    reader.start()
-    with PeakMemory(process.pid, interval=0.2) as memory:
-        process.wait()
-    reader.join(timeout=10)
-    if process.returncode != 0:
-        raise RuntimeError(f"tokenmill run on {corpus} failed:\n{''.join(log_lines)[-3000:]}")
+    run = run_process(args, env=env, interval=0.2).check(f"tokenmill run on {corpus}")
     manifest = json.loads((output / "_manifest.json").read_text())
-    return PeakMemoryOfRun(rows=manifest["totals"]["rows_in"], peak_tree_gib=memory.peak_gib,
-                           peak_main_gib=memory.peak_root_gib, wall_s=time.perf_counter() - started)
+    return PeakMemoryOfRun(rows=manifest["totals"]["rows_in"], peak_tree_gib=run.peak_gib,
+                           peak_main_gib=run.peak_root_gib, wall_s=run.wall_s)
 
 
 def compare_memory_scaling(x1: Path, x10: Path, scratch: Path) -> MemoryScaling:
@@ -581,17 +530,12 @@ def index_build_run(output: Path, kind: str) -> IndexBuildRun:
     """`build_index` on an existing embed output in a process of its own, its peak RSS sampled."""
     code = ("import sys; from tokenmill.index import build_index; from tokenmill.spec import JobSpec; "
             "print(build_index(JobSpec(output=sys.argv[1], index={'kind': sys.argv[2]})).model_dump_json())")
-    process = subprocess.Popen([sys.executable, "-c", code, str(output), kind], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    with PeakMemory(process.pid) as memory:
-        stdout, stderr = process.communicate()
-    if process.returncode != 0:
-        raise RuntimeError(f"building the index of {output} failed:\n{stderr[-3000:]}")
-    report = json.loads(stdout.strip().splitlines()[-1])
+    run = run_process([sys.executable, "-c", code, str(output), kind], interval=0.05)
+    report = json.loads(run.check(f"building the index of {output}").stdout.strip().splitlines()[-1])
     return IndexBuildRun(rows=report["rows"], kind=report["kind"], recall_at_10=report["recall_at_10"],
                          build_s=report["build_seconds"], embed_s=report["embed_seconds"],
                          index_bytes=report["index_bytes"], queries_per_s=report["queries_per_s"],
-                         peak_gib=memory.peak_gib)
+                         peak_gib=run.peak_gib)
 
 
 def compare_index(x1_output: Path, x10_output: Path) -> IndexCost:
@@ -608,9 +552,7 @@ class BenchResults:
     """Everything RESULTS.md and the MLflow run say."""
 
     command: str
-    started_at: dt.datetime
-    machine: str
-    gpu: str
+    machine: dict  # bench.harness.machine(): date, commit, CPU and its flags, cores, RAM, GPU
     docs: int
     tokens: int
     repeats: int
@@ -655,7 +597,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started_at = dt.datetime.now(dt.timezone.utc)
     command = "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
     x1, x10 = prepare_corpora(args.docs)
     if args.generation_features_only:
@@ -703,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         index = compare_index(scratch / f"out-{x1.name}", scratch / f"out-{x10.name}")
 
     results = BenchResults(
-        command=command, started_at=started_at, machine=machine(), gpu=gpu_note(), docs=len(corpus.texts),
+        command=command, machine=machine(), docs=len(corpus.texts),
         tokens=corpus.tokens, repeats=args.repeats, end_to_end=end_to_end, offline=offline, buckets=buckets,
         sentence_transformers=vs_sentence_transformers, engines_embed=engines_embed,
         engines_generate=engines_generate, memory=memory, profile_text=profile_text, structured=structured,
@@ -756,26 +697,6 @@ def profile(run: Callable[[], object]) -> str:
     run()
     profiler.stop()
     return profiler.output_text(unicode=False, color=False, show_all=False, short_mode=True)
-
-
-def machine() -> str:
-    import psutil
-
-    from tokenmill.device import cpu_model
-
-    return (f"{cpu_model()}, {psutil.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
-            f"Python {platform.python_version()}")
-
-
-def gpu_note() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"a GPU is present ({torch.cuda.get_device_name()}): run `python -m bench.gpu` for its figures"
-    except Exception:  # noqa: BLE001
-        pass
-    return "no GPU on this machine"
 
 
 def _target_row(comparison: str, measured: str, target: str, met: bool | None, note: str = "") -> str:
@@ -858,17 +779,13 @@ def variant_row(variant: Variant) -> str:
 def render_report(results: BenchResults) -> str:
     detail = ["| variant | median s | runs (s) | tokens/s | items/s | padding |", "|---|---|---|---|---|---|"]
     detail += [variant_row(variant) for variant in results.variants]
-    return f"""# tokenmill benchmarks
-
-Written by `make bench` (`{results.command.strip()}`); do not edit by hand (notes go in bench/FINDINGS.md).
-
-- **Date:** {results.started_at:%Y-%m-%d %H:%M} UTC
-- **Machine:** {results.machine}
-- **GPU:** {results.gpu}
+    opening = "\n".join(header("tokenmill benchmarks", results.command.strip(), results.machine))
+    return f"""{opening}
 - **Corpus:** {results.docs} documents of the sample corpus ({results.tokens:,} tokens after truncation at 256), all-MiniLM-L6-v2
   for embeddings, SmolLM2-135M-Instruct for generation; fp32 on CPU
 - **Method:** every variant does the same work on the same texts in one process; rounds are interleaved
-  (each round runs every variant once) after one warm-up run each; {results.repeats} rounds; medians and ratios.
+  (each round runs every variant once, the order reversed every other round) after one warm-up run each;
+  {results.repeats} rounds; medians and ratios.
   Engine start is excluded: these are engine-path figures on the sample corpus. Whole processes as users run
   them (start-up included, corpora nobody tuned for, against a sentence-transformers script and one LLM.chat
   call): [WHOLE_RUN.md](WHOLE_RUN.md).

@@ -15,9 +15,9 @@ Each variant is a separate process, timed from spawn to exit, start-up and shutd
   compared with one `LLM.chat` call on the same engine: its engine-only ratio is the feed's
   efficiency, whatever `auto` chooses.
 
-Rounds are interleaved (each round runs every variant once), after one warm-up run of each
-tokenmill job, which pays for its engine trial once, as a user's first run on a machine does;
-its time is reported apart. Engine-only seconds come from the processes themselves (the
+Rounds are interleaved (each round runs every variant once, the order reversed every other round;
+bench/harness.py), after one warm-up run of each tokenmill job, which pays for its engine trial
+once, as a user's first run on a machine does; its time is reported apart. Engine-only seconds come from the processes themselves (the
 scripts print theirs; tokenmill's are in its MLflow run), so the table shows where a gap comes
 from: the engine, or the fixed seconds around it. tokenmill's own prediction of its wall time
 (tokenmill/prediction.py) is set beside the measured wall.
@@ -26,20 +26,17 @@ from: the engine, or the fixed seconds around it. tokenmill's own prediction of 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from bench import corpora
+from bench import corpora, harness
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "bench" / "WHOLE_RUN.md"
@@ -60,24 +57,36 @@ class Run:
     engine_seconds: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     params: dict[str, str] = field(default_factory=dict)
+    peak_gib: float | None = None  # the process tree's resident memory at its highest
 
 
-@dataclass
-class Variant:
-    name: str
-    command: list[str]
-    output: Path
-    kind: str  # tokenmill | script
+@dataclass(init=False)
+class Variant(harness.Variant):
+    """A harness variant that is a whole process: its command, and what each run of it recorded."""
+
+    command: list[str] = field(default_factory=list)
+    output: Path = WORK  # emptied before each run
     runs: list[Run] = field(default_factory=list)
     warmup: Run | None = None
     env: dict[str, str] = field(default_factory=dict)  # over the bench's own (ENV)
     fresh: tuple[Path, ...] = ()  # emptied before each run: caches a first run on a machine lacks
+
+    def __init__(self, name: str, command: list[str], output: Path, kind: str = "tokenmill",  # or "script"
+                 runs: list[Run] | None = None, warmup: Run | None = None, env: dict[str, str] | None = None,
+                 fresh: tuple[Path, ...] = ()):
+        super().__init__(name, None, kind=kind)
+        self.command, self.output, self.runs, self.warmup = command, output, list(runs or []), warmup
+        self.env, self.fresh = dict(env or {}), fresh
 
     def median_wall(self) -> float:
         return statistics.median(r.wall for r in self.runs)
 
     def median_engine(self) -> float | None:
         values = [r.engine_seconds for r in self.runs if r.engine_seconds is not None]
+        return statistics.median(values) if values else None
+
+    def median_peak(self) -> float | None:
+        values = [r.peak_gib for r in self.runs if r.peak_gib is not None]
         return statistics.median(values) if values else None
 
 
@@ -91,20 +100,18 @@ def run_once(variant: Variant, experiment: str) -> Run:
     for folder in variant.fresh:
         shutil.rmtree(folder, ignore_errors=True)
     env = {**os.environ, **ENV, **variant.env}
-    started = time.perf_counter()
-    done = subprocess.run(variant.command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-    wall = time.perf_counter() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"{variant.name} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    done = harness.run_process(variant.command, env=env, timeout=3600).check(variant.name)
+    wall, peak = done.wall_s, done.peak_gib
     if variant.kind == "script":
         figures = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
-        return Run(wall, figures["engine_seconds"], metrics=figures)
+        return Run(wall, figures["engine_seconds"], metrics=figures, peak_gib=peak)
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tracking_db()}")
     experiment_id = client.get_experiment_by_name(experiment).experiment_id
     latest = client.search_runs([experiment_id], order_by=["attributes.start_time DESC"], max_results=1)[0]
-    return Run(wall, latest.data.metrics.get("engine_seconds"), dict(latest.data.metrics), dict(latest.data.params))
+    return Run(wall, latest.data.metrics.get("engine_seconds"), dict(latest.data.metrics), dict(latest.data.params),
+               peak)
 
 
 def tokenmill_command(source: Path, output: Path, experiment: str, *extra: str) -> list[str]:
@@ -205,38 +212,33 @@ def main(argv: list[str] | None = None) -> int:
                 variant.warmup = run_once(variant, experiment)
                 print(f"warm-up {job} / {variant.name}: {variant.warmup.wall:.1f} s", flush=True)
     report.parent.mkdir(parents=True, exist_ok=True)
-    for round_number in range(rounds):
-        for job, variants in jobs.items():
-            for variant in variants:
-                variant.runs.append(run_once(variant, experiment))
-                print(f"round {round_number + 1} {job} / {variant.name}: {variant.runs[-1].wall:.1f} s", flush=True)
+    flat = [(job, variant) for job, variants in jobs.items() for variant in variants]
+    for round_number, order in enumerate(harness.round_orders(len(flat), rounds)):
+        for index in order:
+            job, variant = flat[index]
+            variant.runs.append(run_once(variant, experiment))
+            variant.seconds.append(variant.runs[-1].wall)
+            print(f"round {round_number + 1} {job} / {variant.name}: {variant.runs[-1].wall:.1f} s", flush=True)
         report.write_text(render(jobs, about, round_number + 1))  # a run cut short keeps the rounds it finished
         print(f"wrote {report} ({round_number + 1} of {rounds} rounds)", flush=True)
     return 0
 
 
 def render(jobs: dict[str, list[Variant]], about: dict[str, dict], rounds: int) -> str:
-    from tokenmill.device import cpu_model
-
     lines = [
-        "# Whole runs, as users run them",
-        "",
-        "Written by `python -m bench.whole` (part of `make bench`); do not edit by hand.",
-        "",
-        f"- **Date:** {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- **Machine:** {cpu_model()}, {os.cpu_count()} logical cores, Python {sys.version.split()[0]}",
+        *harness.header("Whole runs, as users run them", "python -m bench.whole (part of make bench)"),
         "- **Corpora:** CPython standard-library docstrings (bench/corpora.py), built at bench time: short "
         "(one-line summaries), long (~1,100-character chunks, near MiniLM's 256-token limit), mixed (as "
         "written); generation on SmolLM2-135M-Instruct, greedy, max_tokens "
         f"{GENERATE_MAX_TOKENS}.",
-        f"- **Method:** every variant a separate process, timed spawn to exit; {rounds} interleaved rounds after "
+        f"- **Method:** every variant a separate process, timed spawn to exit, peak memory the process tree's resident memory (bench/harness.py); {rounds} interleaved rounds after "
         + ("one warm-up of each tokenmill job (its engine trial; reported apart)" if any(
             v.warmup for vs in jobs.values() for v in vs) else "no warm-up (engine trials kept from an earlier run)")
         + "; medians. Ratios are speed: "
         "the alternative's seconds over tokenmill's (above 1: tokenmill is faster).",
         "",
-        "| job | rows | variant | wall s (median) | runs | engine s | engine | fixed s | predicted wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| job | rows | variant | wall s (median) | runs | engine s | engine | fixed s | predicted wall s | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = []
     for job, variants in jobs.items():
@@ -251,7 +253,8 @@ def render(jobs: dict[str, list[Variant]], about: dict[str, dict], rounds: int) 
             engine_s = v.median_engine()
             lines.append(f"| {job} | {about[job]['rows']:,} | {v.name} | {v.median_wall():.1f} | "
                          f"{', '.join(f'{r.wall:.1f}' for r in v.runs)} | "
-                         f"{'' if engine_s is None else f'{engine_s:.1f}'} | {engine} | {fixed} | {predicted} |")
+                         f"{'' if engine_s is None else f'{engine_s:.1f}'} | {engine} | {fixed} | {predicted} | "
+                         f"{'' if v.median_peak() is None else f'{v.median_peak():.2f}'} |")
         baseline = variants[0]
         for ours in variants[1:]:  # every tokenmill variant against the script
             ratio = baseline.median_wall() / ours.median_wall()

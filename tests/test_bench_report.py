@@ -24,8 +24,8 @@ def results(memory: bool = True) -> bench.BenchResults:
     tokenmill_vllm = timed("tokenmill end to end (vLLM)", [2.1, 2.0, 1.9])  # median 2.0: 5,000 tokens/s
     return bench.BenchResults(
         command="python -m bench.run --repeats 3 ",
-        started_at=dt.datetime(2026, 11, 22, 14, 59, tzinfo=dt.timezone.utc),
-        machine="Test CPU, 2 logical cores", gpu="no GPU on this machine", docs=100, tokens=10_000, repeats=3,
+        machine={"date": "2026-11-22 14:59 UTC", "commit": "abc1234", "cpu": "Test CPU", "flags": ["avx512_vnni"],
+                 "cores": 2, "ram_gib": 24.0, "gpu": None, "python": "3.11.7"}, docs=100, tokens=10_000, repeats=3,
         end_to_end=bench.EndToEndVsDirect(tokenmill=tokenmill_vllm,
                                           direct=timed("vLLM LLM.embed(texts) directly", [1.6, 1.6, 1.6])),
         offline=bench.OfflineVsOneAtATime(
@@ -87,10 +87,11 @@ def test_report_renders_the_targets_table(tmp_path):
     bench.write_report(results(), path)
     text = path.read_text()
 
-    assert text.startswith("# tokenmill benchmarks\n\nWritten by `make bench` (`python -m bench.run --repeats 3`)")
-    assert "- **Date:** 2026-11-22 14:59 UTC\n- **Machine:** Test CPU, 2 logical cores\n" in text
+    assert text.startswith("# tokenmill benchmarks\n\nWritten by `python -m bench.run --repeats 3`")
+    assert ("- **Date:** 2026-11-22 14:59 UTC\n- **Commit:** abc1234\n- **Machine:** Test CPU (avx512_vnni), 2 logical "
+            "cores, 24 GiB RAM; GPU: none; Python 3.11.7\n") in text
     assert "- **Corpus:** 100 documents of the sample corpus (10,000 tokens after truncation at 256)" in text
-    assert "after one warm-up run each; 3 rounds; medians and ratios." in text
+    assert "the order reversed every other round) after one warm-up run each;\n  3 rounds; medians and ratios." in text
     assert table_after(text, "## Against the targets") == [
         "| comparison | measured | target | met | note |", "|---|---|---|---|---|", *TARGET_ROWS]
     assert "```\n12.1 profile  bench/run.py\n```\n" in text
@@ -176,4 +177,109 @@ def test_whole_run_report_states_ratios_against_the_goals():
     # every tokenmill variant is set against the script: the vLLM feed against one LLM.chat call, engine to engine
     assert ("| generate summary | tokenmill run --engine vllm | LLM.chat, one call | 0.50× | ≥ 0.9× | no | 0.91× "
             "| -6.2% | not run (--no-warmup) |") in text
-    assert "| embed short | 3,000 | tokenmill run | 41.0 | 40.0, 42.0 | 30.5 | transformers | 9.0 | 44.0 |" in text
+    assert "| embed short | 3,000 | tokenmill run | 41.0 | 40.0, 42.0 | 30.5 | transformers | 9.0 | 44.0 |  |" in text
+
+
+# --- bench/harness.py: what every bench shares ---------------------------------------------------------------
+
+from bench import harness  # noqa: E402
+
+
+def test_rounds_alternate_their_order_after_one_warm_up_of_each():
+    calls: list[str] = []
+    variants = [harness.Variant(name, lambda name=name: calls.append(name) or name, tokens=10, items=2)
+                for name in "abc"]
+    ticks: list[str] = []
+    harness.interleave(variants, rounds=4, sync=lambda: ticks.append("sync"))
+
+    assert harness.round_orders(3, 4) == [[0, 1, 2], [2, 1, 0], [0, 1, 2], [2, 1, 0]]
+    assert calls == list("abc") + list("abc") + list("cba") + list("abc") + list("cba")
+    assert [len(v.seconds) for v in variants] == [4, 4, 4] and all(v.last == v.name for v in variants)
+    assert len(ticks) == 2 * 12  # before and after every timed run, not around the warm-ups
+    assert variants[0].tokens_per_s == 10 / variants[0].median
+
+
+def test_interleave_without_warm_up_times_every_call():
+    calls: list[str] = []
+    variants = [harness.Variant(name, lambda name=name: calls.append(name)) for name in "ab"]
+    harness.interleave(variants, rounds=3, warmup=False)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+
+
+ALLOCATE = "b = bytearray({mib} * 2**20); b[::4096] = b'x' * len(b[::4096]); import time; time.sleep(0.6)"
+
+
+def test_whole_process_runner_reads_the_peak_memory_of_a_real_process():
+    run = harness.run_process([sys.executable, "-c", ALLOCATE.format(mib=220)])
+    assert run.returncode == 0 and run.wall_s > 0.5
+    assert run.peak_bytes >= 200 * 2**20, run
+    assert run.peak_root_bytes >= 200 * 2**20
+
+
+def test_whole_process_runner_sums_the_process_tree():
+    # the parent holds ~150 MiB and its child another ~150 MiB at the same time: only the tree's sum passes 250
+    child = ALLOCATE.format(mib=150)
+    parent = (f"import subprocess, sys; b = bytearray(150 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+              f"subprocess.run([sys.executable, '-c', {child!r}], check=True)")
+    run = harness.run_process([sys.executable, "-c", parent], interval=0.05)
+    if run.sampler.startswith("getrusage"):
+        pytest.skip("psutil is not installed: the fallback reads the largest single process only")
+    assert run.peak_bytes >= 250 * 2**20 and run.peak_root_bytes < 250 * 2**20, run
+
+
+def test_a_failed_process_names_its_command_and_output():
+    run = harness.run_process([sys.executable, "-c", "import sys; sys.exit('no such corpus: x.parquet')"])
+    with pytest.raises(RuntimeError, match="tiny job exited 1:\nno such corpus: x.parquet"):
+        run.check("tiny job")
+
+
+def test_header_states_date_commit_and_machine_and_the_index_reads_them_back(tmp_path):
+    info = harness.machine()
+    assert {"date", "commit", "cpu", "flags", "cores", "ram_gib", "gpu", "python"} <= info.keys()
+    assert info["cores"] >= 1 and info["ram_gib"] > 0 and info["cpu"]
+    assert set(info["flags"]) <= set(harness.FLAGS)
+    assert info["commit"] and info["commit"].split()[0].isalnum()  # the tests run in a git checkout
+    lines = harness.header("A comparison", "python -m bench.example", info)
+    assert lines[:3] == ["# A comparison", "", "Written by `python -m bench.example`; do not edit by hand."]
+    assert f"- **Machine:** {harness.machine_line(info)}" in lines
+    report = tmp_path / "EXAMPLE.md"
+    report.write_text("\n".join(lines + ["", *harness.table(("a", "b"), [(1, None), ("x|y", 2)])]) + "\n")
+    read = harness.report_header(report)
+    assert read == {"title": "A comparison", "date": info["date"].removesuffix(" UTC"),
+                    "commit": info["commit"].split()[0][:7]}
+    assert report.read_text().endswith("| a | b |\n|---|---|\n| 1 |  |\n| x\\|y | 2 |\n")
+
+
+def test_the_report_index_lists_every_report_with_a_date():
+    reports = sorted(p.name for p in (ROOT / "bench").glob("*.md") if p.name != "README.md")
+    rows = harness.report_index()[2:]
+    assert [row.split("](")[0].removeprefix("| [") for row in rows] == reports
+    for row in rows:
+        date = row.split(" | ")[3]
+        assert harness._DATE.match(date), row
+    committed = (ROOT / "bench" / "README.md").read_text()
+    index = committed.split(harness.INDEX_START)[1].split(harness.INDEX_END)[0]
+    missing = [name for name in reports if f"[{name}]({name})" not in index]
+    assert not missing, f"bench/README.md's index lacks {missing}: run `make bench-index`"
+
+
+def test_write_index_keeps_the_prose_around_it(tmp_path):
+    (tmp_path / "README.md").write_text("# Benchmarks\n\nProse above.\n")
+    (tmp_path / "X.md").write_text("# X\n\n- **Date:** 2026-11-25 03:00 UTC\n- **Commit:** abcdef1\n")
+    harness.write_index(tmp_path)
+    harness.write_index(tmp_path)  # again: replaced in place, not added twice
+    text = (tmp_path / "README.md").read_text()
+    assert text.count(harness.INDEX_START) == 1 and "Prose above." in text
+    assert "| [X.md](X.md) | X | — | 2026-11-25 03:00 | abcdef1 |" in text
+
+
+def test_the_harness_imports_only_the_standard_library():
+    # bench/gpu.py imports it on a GPU machine with no venv; psutil is optional there
+    import ast
+
+    tree = ast.parse((ROOT / "bench" / "harness.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported - set(sys.stdlib_module_names) == {"psutil"}
