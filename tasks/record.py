@@ -16,6 +16,7 @@ from tokenmill.engine_choice import ran_as
 from tokenmill.engines import describe_engine, running_streams
 from tokenmill.manifest import build_manifest
 from tokenmill.models import resolve_model
+from tokenmill.report import run_metrics, summary_markdown
 from tokenmill.results import ShardResult
 from tokenmill.spec import JobSpec
 from tokenmill.tracking import (
@@ -24,9 +25,7 @@ from tokenmill.tracking import (
     log_run,
     open_job_run,
     resolve_tracking_uri,
-    run_metrics,
     spec_params,
-    summary_markdown,
 )
 
 # Prefect flow-run id -> (job spec, its open MLflow run): what the failure hooks end.

@@ -19,7 +19,7 @@ from tokenmill.models import load_tokenizer, resolve_model
 from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec
-from tokenmill.tracking import run_metrics
+from tokenmill.report import run_metrics
 
 pytestmark = pytest.mark.engine
 

@@ -21,13 +21,12 @@ from tokenmill.flows.batch import batch_flow
 from tokenmill.index import (
     INDEX_DIR,
     IndexBuildError,
-    OpenIndex,
     build_index,
     choose_index,
     estimate_index_build,
     plan_index,
-    search_text,
 )
+from tokenmill.index_search import OpenIndex, search_text
 from tokenmill.sample_corpus import write_sample_corpus
 from tokenmill.spec import IndexSpec, JobSpec
 from tokenmill.tasks.job import PrefectJob

@@ -37,7 +37,7 @@ from tokenmill.row_cache import (
 from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec
-from tokenmill.tracking import run_metrics, summary_markdown
+from tokenmill.report import run_metrics, summary_markdown
 
 MINILM = "all-MiniLM-L6-v2"
 ONNX = {"name": MINILM, "engine": "onnxruntime"}

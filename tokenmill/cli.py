@@ -296,7 +296,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from tokenmill.index import search_text
+    from tokenmill.index_search import search_text
 
     query = " ".join(args.query)
     for hits in search_text(args.index_output, [query], args.k, engine=args.engine):

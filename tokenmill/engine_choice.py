@@ -257,6 +257,31 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
     key = trial_key(spec, model_path, device, mean_tokens)
 
     refresh = refresh or os.environ.get("TOKENMILL_ENGINE_RETRIAL", "") not in ("", "0")
+    trials, cached = _trials(spec, able, model_path, rows, key, device, mean_tokens, refresh)
+    good = [t for t in trials if t.error is None]
+    if not good:
+        raise RuntimeError("engine auto: every engine failed its trial: "
+                           + "; ".join(f"{t.engine}: {t.error}" for t in trials))
+    job_tokens = _job_tokens(spec, good, job_rows, mean_tokens, job_tokens)
+    predicted = _predicted_seconds(spec, good, model_path, job_tokens)
+    best = min(good, key=lambda t: predicted[t.engine])
+    failed = [f"{t.engine} failed its trial ({t.error})" for t in trials if t.error is not None]
+    reason = _reason(best, good, predicted, job_tokens, cached, why_not + failed, device)
+    choice = EngineChoice(engine=best.engine, reason=reason, trials=trials, cached=cached, cache_key=key,
+                          device=device, job_tokens=job_tokens,
+                          predicted_seconds=predicted if job_tokens else {})
+    _chosen[key_in_process] = choice
+    _chosen_rows[key_in_process] = job_rows
+    _close_losers(spec, model_path, best.engine)
+    timeline.mark("engine_choice_done")
+    log.info("engine auto: %s", reason)
+    return choice
+
+
+def _trials(spec: JobSpec, able: list[str], model_path: str, rows: list[list[int]], key: str, device: str,
+            mean_tokens: float, refresh: bool) -> tuple[list[EngineTrial], bool]:
+    """The trials to choose from, and whether they came from the cache: this length's cached figures, a
+    decisive verdict from other lengths, or (refresh, or nothing known) a fresh trial of each engine."""
     cached_entry = None if refresh else _read_cache().get(key)
     if cached_entry is not None:
         trials = [EngineTrial.model_validate(t) for t in cached_entry["trials"]]
@@ -280,35 +305,32 @@ def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = Fa
                 discard_engine(model_path, with_engine(spec, engine))
         # a failure may be passing: retry it
         _write_cache(key, [t for t in trials if t.error is None], device, family, mean_tokens)
+    return trials, cached
 
-    good = [t for t in trials if t.error is None]
-    if not good:
-        raise RuntimeError("engine auto: every engine failed its trial: "
-                           + "; ".join(f"{t.engine}: {t.error}" for t in trials))
+
+def _job_tokens(spec: JobSpec, good: list[EngineTrial], job_rows: int | None, mean_tokens: float,
+                job_tokens: float | None) -> float | None:
+    """The job's tokens as the trials' rates count them: output tokens too, for a generate job."""
     if job_tokens and spec.mode == "generate":  # the trial's rates count output tokens too: so must the job's
         out_per_row = max(t.output_tokens / t.rows for t in good if t.rows) if good else 0.0
         trial_cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)
         if out_per_row >= 0.9 * trial_cap:  # the trial's outputs ran to its cap: the job's run to theirs
             out_per_row = 0.9 * spec.generation.max_tokens * spec.generation.n
         job_tokens = job_rows * (mean_tokens + out_per_row)
+    return job_tokens
+
+
+def _predicted_seconds(spec: JobSpec, good: list[EngineTrial], model_path: str,
+                       job_tokens: float | None) -> dict[str, float]:
+    """Each engine's predicted seconds for the job (start, unless already open, plus steady running); with
+    no job size, seconds per token alone."""
     running = {t.engine for t in good if is_open(model_path, with_engine(spec, t.engine))}
     predicted = {}
     for t in good:
         start = 0.0 if t.engine in running else t.start_seconds
         steady = (job_tokens / t.tokens_per_s) if job_tokens else 0.0
         predicted[t.engine] = start + steady if job_tokens else 1.0 / t.tokens_per_s
-    best = min(good, key=lambda t: predicted[t.engine])
-    failed = [f"{t.engine} failed its trial ({t.error})" for t in trials if t.error is not None]
-    reason = _reason(best, good, predicted, job_tokens, cached, why_not + failed, device)
-    choice = EngineChoice(engine=best.engine, reason=reason, trials=trials, cached=cached, cache_key=key,
-                          device=device, job_tokens=job_tokens,
-                          predicted_seconds=predicted if job_tokens else {})
-    _chosen[key_in_process] = choice
-    _chosen_rows[key_in_process] = job_rows
-    _close_losers(spec, model_path, best.engine)
-    timeline.mark("engine_choice_done")
-    log.info("engine auto: %s", reason)
-    return choice
+    return predicted
 
 
 # An engine is chosen from its trials at other lengths, without a trial of its own at this one, only when

@@ -89,14 +89,7 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
     model_path = resolve_model(spec.model_name)
     store = OutputStore(spec.output, spec.storage_options)
 
-    table, unreadable = read_shard(shard, read_columns(spec), spec.storage_options)
-    rows_in = table.num_rows + len(unreadable)
-    validated = validate_job_rows(table, shard.uri, spec)
-    rejects = [(row, None, reason) for row, reason in unreadable] + validated.rejects
-    encoded = encode_rows(prompt_inputs(validated.valid, spec), spec, model_path)
-    valid, encoded, overlong = _drop_overlong(validated.valid, encoded, spec)
-    rejects += overlong
-
+    rows_in, valid, encoded, rejects = _read_validate_encode(shard, spec, model_path)
     lengths = [len(ids) for ids in encoded.token_ids]
     # the row cache and duplicate collapse: the engine runs only the rows in reuse.compute
     reuse = reuse_rows(spec, model_path, engine.name if engine is not None else spec.model.engine,
@@ -121,7 +114,6 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
         progress.emit("rows_done", shard_id=shard.shard_id, rows=len(results) - len(computed))
 
     output = build_output(valid, spec, results, lengths, encoded.truncated)
-    structured_invalid = structured_invalid_rows(output)
     write_shard_tables(store, shard.shard_id, shard.uri, output, sorted(rejects, key=lambda r: r[0]),
                        shard.format == "jsonl")
     ours = feed_padding(computed_lengths, batches, engine_name)
@@ -134,15 +126,27 @@ def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> 
         output_tokens=int(pa.compute.sum(output.column("output_tokens")).as_py() or 0), batches=len(batches),
         real_tokens=ours.real_tokens, padded_slots=ours.padded_slots, baseline_padded_slots=baseline.padded_slots,
         engine_seconds=engine_seconds, seconds=time.perf_counter() - started, engine=engine_name if batches else "",
-        structured_invalid_rows=structured_invalid,
+        structured_invalid_rows=structured_invalid_rows(output),
         prompt_cached_tokens=sum(g.cached_prompt_tokens for g in computed)
         if spec.mode == "generate" and engine_name in UNPADDED_ENGINES else None,
         **reuse.record(),
     )
     record_shard(store, result)
-    del output, results, computed, results_by_batch, encoded, token_ids, table, valid, reuse
+    del output, results, computed, results_by_batch, encoded, token_ids, valid, reuse
     release_freed_heap()  # the shard's activations and tables: back to the system, not kept by the heap
     return result
+
+
+def _read_validate_encode(shard: ShardSpec, spec: JobSpec, model_path: str) -> tuple[int, pa.Table, EncodedRows, list]:
+    """The shard's first steps: read, validate, tokenize, and drop the rows over the model's input limit;
+    (rows in, the valid rows, their token ids, the rejects so far)."""
+    table, unreadable = read_shard(shard, read_columns(spec), spec.storage_options)
+    rows_in = table.num_rows + len(unreadable)
+    validated = validate_job_rows(table, shard.uri, spec)
+    rejects = [(row, None, reason) for row, reason in unreadable] + validated.rejects
+    encoded = encode_rows(prompt_inputs(validated.valid, spec), spec, model_path)
+    valid, encoded, overlong = _drop_overlong(validated.valid, encoded, spec)
+    return rows_in, valid, encoded, rejects + overlong
 
 
 def _drop_overlong(valid: pa.Table, encoded: EncodedRows, spec: JobSpec) -> tuple[pa.Table, EncodedRows, list]:
