@@ -251,8 +251,19 @@ def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str
     if measured != set(able):
         guess = DEFAULT_WINNER[spec.mode] if DEFAULT_WINNER[spec.mode] in able else able[0]
         return guess, f"default: auto's usual choice for {spec.mode} here, before any trial"
-    seconds = {e: engine_part(spec, e, sample, trials)[0].seconds for e in able}
-    return min(seconds, key=seconds.get), "auto, by the trials' rates"
+    # as auto weighs them (engine_choice.choose_engine): the trial's start, then the job at the trial's rate
+    seconds = {e: trial_start(spec, e, sample, trials) + engine_part(spec, e, sample, trials)[0].seconds
+               for e in able}
+    return min(seconds, key=seconds.get), "auto, by the trials' starts and rates"
+
+
+def trial_start(spec: JobSpec, engine: str, sample: JobSample, trials) -> float:
+    """The engine's start seconds in its trial nearest the sample's mean length (0 when it has none)."""
+    mine = [(mean, t) for mean, t in trials if t.engine == engine]
+    if not mine:
+        return 0.0
+    mean = statistics.fmean(sample.lengths or [1])
+    return min(mine, key=lambda m: abs(math.log(m[0]) - math.log(max(mean, 1.0))))[1].start_seconds
 
 
 def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> Prediction:
@@ -270,8 +281,7 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> 
     if trial_runs and engine == "vllm":  # the trial's last engine, kept open for the job
         out.append(Part(name="engine start", seconds=0.0, source="kept open from its trial"))
     else:
-        seconds, source = stored(parts, per_engine, "engine start", DEFAULT_ENGINE_START.get(engine, 10.0))
-        out.append(Part(name="engine start", seconds=seconds, source=f"{engine}: {source}"))
+        out.append(engine_start_part(spec, engine, sample, parts, trials))
     engine_seconds, tokens = engine_part(spec, engine, sample, trials)
     out.append(engine_seconds)
     per_1k = [("shard overhead per 1,000 rows", "shard overhead")]
@@ -287,6 +297,14 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> 
     if why.startswith("default"):
         out[0].source += f"; engine {engine}: {why}"
     return Prediction(engine=engine, rows=sample.rows, tokens=tokens, parts=out)
+
+
+def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict[str, Any], trials) -> Part:
+    """The engine's start as runs here waited for it; before any run, as its trial measured it."""
+    seconds, source = stored(parts, engine_key(spec, engine), "engine start", DEFAULT_ENGINE_START.get(engine, 10.0))
+    if source.startswith("default") and any(t.engine == engine for _, t in trials):
+        seconds, source = trial_start(spec, engine, sample, trials), "its trial's start, no run here yet"
+    return Part(name="engine start", seconds=seconds, source=f"{engine}: {source}")
 
 
 _made: dict[str, Prediction] = {}  # per job, for this process: the prediction its run is held to
@@ -320,14 +338,17 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     marks = {"process": timeline.process_started(), **timeline.marks()}
     if not timeline.measures_process() or "cli_ready" not in marks or "first_engine_call" not in marks:
         return {}
-    trials = _span(marks, "engine_choice_start", "engine_choice_done") if trials_ran else 0.0
+    # a first trial waits for the orchestrator's API before it starts (tasks/warm.py), so its part holds
+    # that wait, which a run with its trials cached spends under the engine's start
+    trials = (_span(marks, "engine_choice_start", "engine_choice_done") + _span(marks, "api_start", "api_ready")
+              if trials_ran else 0.0)
     engine_start = 0.0 if trials_ran else _span(marks, "engine_start", "engine_ready")
     prepare = _span(marks, "first_shard_started", "first_engine_call")
     index = _span(marks, "index_start", "index_done")
-    fixed: dict[str, float] = {
-        "python imports": _span(marks, "process", "cli_ready"),
-        "orchestration start": _span(marks, "cli_ready", "first_engine_call") - trials - engine_start - prepare,
-        "finish": _span(marks, "shards_done", "record_started") - index}
+    fixed: dict[str, float] = {"python imports": _span(marks, "process", "cli_ready"),
+                               "finish": _span(marks, "shards_done", "record_started") - index}
+    if not trials_ran:  # with trials, the API's start is theirs (above)
+        fixed["orchestration start"] = _span(marks, "cli_ready", "first_engine_call") - engine_start - prepare
     if engine_rows > 0 and "shards_done" in marks:
         outside = _span(marks, "first_engine_call", "shards_done") + prepare - metrics.get("engine_seconds", 0.0)
         fixed["shard overhead per 1,000 rows"] = outside / engine_rows * 1000
@@ -359,19 +380,20 @@ def compare(prediction: Prediction, metrics: dict[str, float]) -> dict[str, floa
     return out
 
 
-_exit_key: list[str] = []  # the run whose exit this process measures (`remember_exit`)
+_exit_from: list[tuple[str, float]] = []  # (parts key, record's start) of the run whose exit this process measures
 
 
 def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
                  trials_ran: bool) -> None:
     """Store this run's measured parts for the next prediction of any job on this engine here."""
     remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran))
-    if timeline.measures_process() and "cli_ready" in timeline.marks():
-        _exit_key[:] = [fixed_key(spec, engine)]
+    marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
+    if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
+        _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"])]
 
 
 def remember_exit() -> None:
     """The command's last step: the seconds from the record's start to the process's end, its exit part."""
-    started = timeline.marks().get("record_started")
-    if _exit_key and started is not None:
-        remember_parts({_exit_key[0]: {"exit": time.time() - started}})
+    if _exit_from:
+        key, started = _exit_from.pop()
+        remember_parts({key: {"exit": time.time() - started}})
