@@ -36,8 +36,10 @@ from tokenmill.device import device_label
 from tokenmill.engine_choice import (
     cache_dir,
     engine_trials,
+    length_class,
     output_tokens_per_row,
     runnable_engines,
+    trial_family,
     trial_rows,
     trials_cached,
 )
@@ -154,6 +156,24 @@ def trials_key(spec: JobSpec) -> str:
     return f"{device_label()}|trials|{spec.model_name}|{spec.mode}"
 
 
+def rates_key(spec: JobSpec, engine: str) -> str:
+    """Engine rates measured by runs: per engine and device, for this job's family (model, mode, batching)."""
+    return f"{device_label()}|{engine}|rates|{trial_family(spec, resolve_model(spec.model_name), device_label())}"
+
+
+def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> list[tuple[float, float, str]]:
+    """(mean input tokens a row, tokens/s, where from): what runs of this job's family measured here at a
+    length class, else its trial there."""
+    runs = parts.get(rates_key(spec, engine), {})
+    points = {int(name.split("@")[1]): (statistics.median(runs[f"mean_tokens@{name.split('@')[1]}"]),
+                                        statistics.median(values), "runs")
+              for name, values in runs.items() if name.startswith("tokens_per_s@")}
+    for mean, t in trials:
+        if t.engine == engine and t.tokens_per_s > 0:
+            points.setdefault(length_class(mean), (mean, t.tokens_per_s, "trial"))
+    return sorted(points.values())
+
+
 def stored(parts: dict[str, Any], key: str, name: str, default: float) -> tuple[float, str]:
     """A part's seconds here (the median of its last measurements) and where they came from."""
     values = parts.get(key, {}).get(name)
@@ -180,24 +200,25 @@ def rate_at(points: list[tuple[float, float]], length: float) -> float:
     return points[-1][1]
 
 
-def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials) -> tuple[Part, float]:
+def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
+                parts: dict[str, Any] | None = None) -> tuple[Part, float]:
     """The engine's seconds for the rows still to compute, and their tokens."""
-    mine = [(mean, t) for mean, t in trials if t.engine == engine and t.tokens_per_s > 0]
+    points = rate_points(spec, engine, parts or {}, trials)
     lengths = sample.lengths or [1]
-    out_per_row = output_tokens_per_row(spec, [t for _, t in mine]) if spec.mode == "generate" else 0.0
+    out_per_row = (output_tokens_per_row(spec, [t for _, t in trials if t.engine == engine])
+                   if spec.mode == "generate" else 0.0)
     row_share = sample.rows / len(lengths)
-    if not mine:
+    tokens = row_share * sum(n + out_per_row for n in lengths)
+    if not points:
         rate = DEFAULT_TOKENS_PER_S[spec.mode]
-        tokens = sample.rows * (statistics.fmean(lengths) + out_per_row)
         return Part(name="engine", seconds=tokens / rate,
                     source=f"default: {engine} never measured here for this job, {rate:,.0f} tokens/s"), tokens
-    points = [(mean + out_per_row, t.tokens_per_s) for mean, t in mine]
-    seconds = row_share * sum((n + out_per_row) / rate_at(points, n + out_per_row) for n in lengths)
-    tokens = row_share * sum(n + out_per_row for n in lengths)
-    measured_at = ", ".join(f"{m:,.0f}" for m, _ in sorted(points))
-    source = (f"{tokens / seconds if seconds else 0:,.0f} tokens/s over the sample's lengths, from {engine}'s "
-              f"trials at {measured_at} tokens a row" + (f", {out_per_row:,.0f} output tokens a row"
-                                                         if spec.mode == "generate" else ""))
+    curve = [(mean + out_per_row, rate) for mean, rate, _ in points]
+    seconds = row_share * sum((n + out_per_row) / rate_at(curve, n + out_per_row) for n in lengths)
+    measured_at = ", ".join(f"{m:,.0f} ({where})" for m, _, where in points)
+    source = (f"{tokens / seconds if seconds else 0:,.0f} tokens/s over the sample's lengths, from {engine} "
+              f"measured here at {measured_at} tokens a row" + (f"; {out_per_row:,.0f} output tokens a row"
+                                                                if spec.mode == "generate" else ""))
     return Part(name="engine", seconds=seconds, source=source), tokens
 
 
@@ -240,7 +261,7 @@ def _row_cache_exists(spec: JobSpec) -> bool:
         return False
 
 
-def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str]:
+def predicted_engine(spec: JobSpec, sample: JobSample, trials, parts: dict[str, Any]) -> tuple[str, str]:
     """The engine the job will run on, and why: as written, or auto's choice by the trials' curve."""
     if spec.model.engine != "auto":
         return spec.model.engine, "as written"
@@ -252,7 +273,7 @@ def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str
         guess = DEFAULT_WINNER[spec.mode] if DEFAULT_WINNER[spec.mode] in able else able[0]
         return guess, f"default: auto's usual choice for {spec.mode} here, before any trial"
     # as auto weighs them (engine_choice.choose_engine): the trial's start, then the job at the trial's rate
-    seconds = {e: trial_start(spec, e, sample, trials) + engine_part(spec, e, sample, trials)[0].seconds
+    seconds = {e: trial_start(spec, e, sample, trials) + engine_part(spec, e, sample, trials, parts)[0].seconds
                for e in able}
     return min(seconds, key=seconds.get), "auto, by the trials' starts and rates"
 
@@ -269,7 +290,7 @@ def trial_start(spec: JobSpec, engine: str, sample: JobSample, trials) -> float:
 def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> Prediction:
     """The whole process's seconds in parts (see the module's docstring); reads nothing but this job's
     sample, this job's trials (`trials`) and the parts measured here for its engine (`parts`)."""
-    engine, why = predicted_engine(spec, sample, trials)
+    engine, why = predicted_engine(spec, sample, trials, parts)
     fixed, per_engine = fixed_key(spec, engine), engine_key(spec, engine)
     trial_runs = spec.model.engine == "auto" and len(runnable_engines(spec)[0]) > 1 and not trials_cached(spec)
     out = [Part(name="python imports", seconds=0, source=""), Part(name="orchestration start", seconds=0, source="")]
@@ -282,7 +303,7 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> 
         out.append(Part(name="engine start", seconds=0.0, source="kept open from its trial"))
     else:
         out.append(engine_start_part(spec, engine, sample, parts, trials))
-    engine_seconds, tokens = engine_part(spec, engine, sample, trials)
+    engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts)
     out.append(engine_seconds)
     per_1k = [("shard overhead per 1,000 rows", "shard overhead")]
     if spec.index is not None and spec.mode == "embed":
@@ -355,6 +376,11 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         if index:
             fixed["index build per 1,000 rows"] = index / engine_rows * 1000
     out = {fixed_key(spec, engine): fixed}
+    engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
+    if engine_rows > 0 and engine_seconds > 0 and engine_tokens > 0:
+        mean_in = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
+        out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
+                                        f"mean_tokens@{length_class(mean_in)}": mean_in}
     if trials_ran:
         out[trials_key(spec)] = {"engine trials": trials}
     elif engine_start:
