@@ -56,6 +56,8 @@ DEFAULT_SECONDS = {
     "python imports": 8.0, "orchestration start": 6.0, "engine start": 10.0, "engine trials": 90.0,
     "shard overhead per 1,000 rows": 1.0, "index build per 1,000 rows": 1.0, "finish": 2.0, "exit": 2.0,
 }
+AROUND_THE_ENGINE = frozenset({"python imports", "orchestration start", "shard overhead per 1,000 rows",
+                               "index build per 1,000 rows", "finish", "exit"})
 DEFAULT_ENGINE_START = {"vllm": 40.0, "transformers": 4.0, "onnxruntime": 4.0}
 DEFAULT_TOKENS_PER_S = {"embed": 3_000.0, "generate": 100.0}
 DEFAULT_WINNER = {"embed": "transformers", "generate": "vllm"}  # auto's usual choice on a CPU, without trials
@@ -175,11 +177,21 @@ def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> li
 
 
 def stored(parts: dict[str, Any], key: str, name: str, default: float) -> tuple[float, str]:
-    """A part's seconds here (the median of its last measurements) and where they came from."""
+    """A part's seconds here (the median of its last measurements) and where they came from. A part of
+    the process around the engine (imports, orchestration, overhead, finish, exit) that runs on this
+    engine never measured is read from runs on another engine of this device and mode, and says so."""
     values = parts.get(key, {}).get(name)
+    source = f"measured here, median of {len(values or [])} run{'s' if len(values or []) > 1 else ''}"
+    if not values and name in AROUND_THE_ENGINE:
+        device, engine, mode = key.split("|")
+        other = next((k for k, v in sorted(parts.items()) if v.get(name) and k.count("|") == 2
+                      and k.startswith(f"{device}|") and k.endswith(f"|{mode}")), None)
+        if other is not None:
+            values = parts[other][name]
+            source = f"measured here on {other.split('|')[1]}, median of {len(values)} run{'s' if len(values) > 1 else ''}"
     if not values:
         return default, f"default: never measured here, {default:g} s"
-    return statistics.median(values), f"measured here, median of {len(values)} run{'s' if len(values) > 1 else ''}"
+    return statistics.median(values), source
 
 
 # ---- engine seconds ----------------------------------------------------------------------------------
@@ -261,7 +273,7 @@ def _row_cache_exists(spec: JobSpec) -> bool:
         return False
 
 
-def predicted_engine(spec: JobSpec, sample: JobSample, trials, parts: dict[str, Any]) -> tuple[str, str]:
+def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str]:
     """The engine the job will run on, and why: as written, or auto's choice by the trials' curve."""
     if spec.model.engine != "auto":
         return spec.model.engine, "as written"
@@ -273,8 +285,8 @@ def predicted_engine(spec: JobSpec, sample: JobSample, trials, parts: dict[str, 
         guess = DEFAULT_WINNER[spec.mode] if DEFAULT_WINNER[spec.mode] in able else able[0]
         return guess, f"default: auto's usual choice for {spec.mode} here, before any trial"
     # as auto weighs them (engine_choice.choose_engine): the trial's start, then the job at the trial's rate
-    seconds = {e: trial_start(spec, e, sample, trials) + engine_part(spec, e, sample, trials, parts)[0].seconds
-               for e in able}
+    seconds = {e: trial_start(spec, e, sample, trials) + engine_part(spec, e, sample, trials)[0].seconds
+               for e in able}  # the trials' figures alone: what choose_engine weighs
     return min(seconds, key=seconds.get), "auto, by the trials' starts and rates"
 
 
@@ -290,7 +302,7 @@ def trial_start(spec: JobSpec, engine: str, sample: JobSample, trials) -> float:
 def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> Prediction:
     """The whole process's seconds in parts (see the module's docstring); reads nothing but this job's
     sample, this job's trials (`trials`) and the parts measured here for its engine (`parts`)."""
-    engine, why = predicted_engine(spec, sample, trials, parts)
+    engine, why = predicted_engine(spec, sample, trials)
     fixed, per_engine = fixed_key(spec, engine), engine_key(spec, engine)
     trial_runs = spec.model.engine == "auto" and len(runnable_engines(spec)[0]) > 1 and not trials_cached(spec)
     out = [Part(name="python imports", seconds=0, source=""), Part(name="orchestration start", seconds=0, source="")]
@@ -368,8 +380,7 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     index = _span(marks, "index_start", "index_done")
     fixed: dict[str, float] = {"python imports": _span(marks, "process", "cli_ready"),
                                "finish": _span(marks, "shards_done", "record_started") - index}
-    if not trials_ran:  # with trials, the API's start is theirs (above)
-        fixed["orchestration start"] = _span(marks, "cli_ready", "first_engine_call") - engine_start - prepare
+    fixed["orchestration start"] = _span(marks, "cli_ready", "first_engine_call") - trials - engine_start - prepare
     if engine_rows > 0 and "shards_done" in marks:
         outside = _span(marks, "first_engine_call", "shards_done") + prepare - metrics.get("engine_seconds", 0.0)
         fixed["shard overhead per 1,000 rows"] = outside / engine_rows * 1000
