@@ -260,7 +260,8 @@ def render(jobs: dict[str, list[Variant]], about: dict[str, dict], rounds: int) 
             ratio = baseline.median_wall() / ours.median_wall()
             engine_ratio = (baseline.median_engine() / ours.median_engine()
                             if baseline.median_engine() and ours.median_engine() else None)
-            predicted = [r.metrics.get("predicted_wall_seconds") for r in ours.runs]
+            predicted = [r.metrics.get("predicted_wall_seconds_to_record", r.metrics.get("predicted_wall_seconds"))
+                         for r in ours.runs]  # like with like: to the record, as measured_wall_seconds is
             measured = [r.metrics.get("measured_wall_seconds") for r in ours.runs]
             error = (statistics.median(p / m - 1 for p, m in zip(predicted, measured))
                      if all(predicted) and all(measured) else None)
@@ -276,9 +277,10 @@ def render(jobs: dict[str, list[Variant]], about: dict[str, dict], rounds: int) 
                      f"{'' if engine_ratio is None else f'{engine_ratio:.2f}×'} | "
                      f"{'' if error is None else f'{error:+.1%}'} | "
                      f"{f'{warmup.wall:.1f} s' if warmup else 'not run (--no-warmup)'} |")
-    lines += ["", "The prediction is tokenmill's own (`predicted_wall_seconds` in its MLflow run: the last run's "
-              "fixed seconds and steady factor on this machine, the engine trial's tokens/s), against its own "
-              "`measured_wall_seconds` (process start to the run record, before shutdown).", ""]
+    lines += ["", "The prediction is tokenmill's own (tokenmill/prediction.py: parts measured on this machine, made "
+              "before the run; `predicted_wall_seconds_to_record` in its MLflow run), against its own "
+              "`measured_wall_seconds` (process start to the run record, before shutdown); bench/PREDICTION.md "
+              "holds it against whole processes.", ""]
     return "\n".join(lines)
 
 

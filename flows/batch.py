@@ -7,7 +7,7 @@ import time
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from tokenmill import progress, timeline
+from tokenmill import prediction, progress, timeline
 from tokenmill.engines import engine_scope
 from tokenmill.flows.fleet import dispatch_to_pool
 from tokenmill.flows.gate import GateFailed, gate_flow
@@ -35,6 +35,8 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
     with engine_scope():  # engines this flow starts end with it
         timeline.begin_job()
         timeline.mark("flow_started")
+        if prediction.made_for(spec) is None and spec.gate is None and spec.dispatch == "local":
+            prediction.predict_job(spec)  # called as a library, not by `tokenmill run`: predicted here
         logger = get_run_logger()
         started = time.perf_counter()
         run_id = open_run_task(spec)  # RUNNING from now on, so the MLflow UI shows the live job
@@ -68,11 +70,15 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
         else:
             results, cached = _run_here(spec, shards, progress_id, run_id, started)
 
+        timeline.mark("shards_done")
         results = reject_duplicates_task(spec, shards, results)
         write_manifest_task(spec, results, len(shards))
         if spec.index is not None:  # into the job's run before the record ends it
+            timeline.mark("index_start")
             index_report = build_index_task(spec, sum(r.seconds for r in results), run_id)
+            timeline.mark("index_done")
             logger.info("\n%s", index_report.markdown())
+        timeline.mark("record_started")
         record = record_run_task(spec, results, time.perf_counter() - started, cached, gate_report=gate_report,
                                  fleet_metrics=fleet.metrics if fleet else None,
                                  fleet_workers=fleet.workers if fleet else None, run_id=run_id,

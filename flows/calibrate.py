@@ -25,7 +25,7 @@ from tokenmill.planning import (
     plan_markdown,
     plan_metrics,
 )
-from tokenmill.prediction import history_key, predict_wall
+from tokenmill.prediction import predict_job
 from tokenmill.tasks.engine import choose_engine_task
 from tokenmill.tasks.job import PrefectJob
 from tokenmill.tasks.logs import with_core_logs
@@ -58,7 +58,9 @@ def calibrate_flow(spec: PrefectJob, batch_sizes: list[int] = list(DEFAULT_BATCH
     (out / "calibration.json").write_text(result.model_dump_json(indent=2))
     (out / "batching.yaml").write_text(result.snippet())
     plot = plot_calibration(result, out / "calibration.png")
-    logger.info("%s\nRecommended (paste into the job file):\n%s", result.summary(), result.snippet())
+    local = predict_job(spec)  # the job on this machine, as `tokenmill plan` and `tokenmill run` predict it
+    logger.info("%s\nRecommended (paste into the job file):\n%s\n%s", result.summary(), result.snippet(),
+                local.describe())
     create_markdown_artifact(f"```\n{result.summary()}\n```\n\nRecommended:\n\n```yaml\n{result.snippet()}```\n",
                              key="tokenmill-calibration", description="batch-size calibration")
     run_id = log_stage_run(spec, "calibrate", {f"calibrate_{k}": v for k, v in {
@@ -70,7 +72,8 @@ def calibrate_flow(spec: PrefectJob, batch_sizes: list[int] = list(DEFAULT_BATCH
         steps=[(p.batch_size, {"tokens_per_s": p.tokens_per_s, "usd_per_1m_tokens": p.usd_per_1m_tokens,
                                "seconds_per_call": p.seconds_per_call, "peak_memory_gib": p.peak_memory_gib})
                for p in result.points if p.error is None])
-    return CalibrationRecord(calibration=result, plot=str(plot), snippet=result.snippet(), mlflow_run_id=run_id)
+    return CalibrationRecord(calibration=result, plot=str(plot), snippet=result.snippet(), mlflow_run_id=run_id,
+                             prediction=local.describe())
 
 
 @flow(name="tokenmill-plan")
@@ -80,26 +83,25 @@ def plan_flow(spec: PrefectJob, window_hours: float, tokens_per_s_per_gpu: float
               sample_rows: int = 512) -> PlanRecord:
     """GPUs, finish time and dollars for the corpus inside a window; a markdown artifact and an MLflow run."""
     estimate = estimate_corpus_task(spec, sample_rows)
-    local = None  # this machine, one process: from the engine trial (engine: auto, no rate given)
+    choice = None
     if spec.model.engine == "auto" and tokens_per_s_per_gpu is None and not calibration_file:
         with engine_scope():  # engines a first trial starts end with it
             choice = choose_engine_task(spec, discover_shards_task(spec))
-        trial = choice.trial(choice.engine)
-        if trial is not None:
-            local = predict_wall(history_key(choice.cache_key, choice.engine), choice.engine,
-                                 estimate.tokens_to_compute, trial.tokens_per_s, f"{choice.engine} trial on this machine", trial.start_seconds)
+    local = predict_job(spec)  # this machine, one process: the same prediction `tokenmill run` makes
+    local_measured = not local.part("engine").is_default
     if tokens_per_s_per_gpu is None:
         if calibration_file:
             calibration = Calibration.model_validate(json.loads(Path(calibration_file).read_text()))
             tokens_per_s_per_gpu = calibration.plateau_tokens_per_s
             source = f"calibrated at batch size {calibration.plateau_batch_size}, {calibration_file}"
-        elif local is not None:
-            tokens_per_s_per_gpu = local.tokens_per_s
-            source = local.rate_source
-            engine_start_seconds = local.fixed_seconds
+        elif local_measured:
+            tokens_per_s_per_gpu = local.tokens / local.engine_seconds
+            source = f"{local.engine} on this machine: {local.part('engine').source}"
+            engine_start_seconds = local.part("engine start").seconds
         elif spec.model.engine == "auto":  # one runnable engine: chosen without a trial, so nothing measured
-            raise ValueError(f"engine auto: {choice.reason}, so no trial measured this machine; give "
-                             "tokens_per_s_per_gpu (--tokens-per-s) or calibration_file from tokenmill calibrate")
+            raise ValueError(f"engine auto: {choice.reason if choice else 'no trial'}, so no trial measured this "
+                             "machine; give tokens_per_s_per_gpu (--tokens-per-s) or calibration_file from "
+                             "tokenmill calibrate")
         else:
             raise ValueError("give tokens_per_s_per_gpu, or calibration_file from tokenmill calibrate, "
                              "or engine: auto (its trial measures this machine)")
@@ -108,9 +110,9 @@ def plan_flow(spec: PrefectJob, window_hours: float, tokens_per_s_per_gpu: float
     plan = make_plan(spec, estimate, tokens_per_s_per_gpu, window_hours, straggler_margin,
                      preemptions_per_gpu_hour, engine_start_seconds)
     text = plan_markdown(plan, estimate, source)
-    if local is not None:
-        text += (f"\n## On this machine, one process\n\n- **Predicted wall time:** {local.describe()}\n"
-                 f"- engine: {choice.reason}\n")
+    text += f"\n## On this machine, one process\n\n{local.describe()}\n"
+    if choice is not None:
+        text += f"\n- engine: {choice.reason}\n"
     index_metrics: dict[str, float] = {}
     if spec.index is not None:  # built after the shards: it adds to the finish
         index_text, index_metrics = plan_index(spec, estimate.rows, plan.finish_hours(), window_hours)
@@ -118,8 +120,8 @@ def plan_flow(spec: PrefectJob, window_hours: float, tokens_per_s_per_gpu: float
     get_run_logger().info("\n%s", text)
     create_markdown_artifact(text, key="tokenmill-plan", description="fleet plan")
     metrics = {**plan_metrics(plan, estimate), **index_metrics}
-    if local is not None:
-        metrics.update(plan_local_wall_seconds=local.seconds, plan_local_fixed_seconds=local.fixed_seconds)
+    metrics.update(plan_local_wall_seconds=local.seconds, plan_local_fixed_seconds=local.fixed_seconds,
+                   plan_local_engine_seconds=local.engine_seconds)
     run_id = log_stage_run(spec, "plan", metrics, {"window_hours": window_hours, "rate_source": source,
                                                    "straggler_margin": straggler_margin,
                                                    "preemptions_per_gpu_hour": preemptions_per_gpu_hour},

@@ -25,6 +25,7 @@ class CalibrationRecord(BaseModel):
     plot: str
     snippet: str
     mlflow_run_id: str
+    prediction: str = ""  # the job on this machine, as `tokenmill plan` and `tokenmill run` predict it
 
 
 class PlanRecord(BaseModel):

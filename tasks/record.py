@@ -120,27 +120,19 @@ def fixed_and_steady(metrics: dict[str, float]) -> dict[str, float]:
     return costs
 
 
-def predicted_against_measured_wall(choice, engine: str, metrics: dict[str, float]) -> dict[str, float]:
-    """The whole-run prediction from the engine trial and this job shape's last run here, beside
-    this run's measurement (same tokens); then this run becomes the next one's history."""
-    trial = choice.trial(engine)
-    tokens = engine_tokens(metrics)
-    if trial is None or not choice.cache_key or not timeline.measures_process() or tokens <= 0:
+def predicted_against_measured_wall(spec: JobSpec, engine: str, engine_choice, metrics: dict[str, float],
+                                    results: list[ShardResult], cached: set[str]) -> dict[str, float]:
+    """The prediction this process made before the job ran (tokenmill.prediction), beside what the run
+    measured; then this run's measured parts are stored for the next prediction on this engine here."""
+    predicted = prediction.made_for(spec)
+    if predicted is None:
         return {}
-    key = prediction.history_key(choice.cache_key, engine)
-    predicted = prediction.predict_wall(key, engine, tokens, trial.tokens_per_s, "engine trial",
-                                        trial.start_seconds)
-    engine_seconds = metrics.get("engine_seconds", 0)
-    measured = {**metrics, "engine_tokens_per_s": tokens / engine_seconds if engine_seconds else 0}
-    history = dict(measured)
-    if not choice.cached and "fixed/engine_choice_seconds" in metrics:
-        # this run paid for the trials; the next one, with them cached, pays the winner's start instead
-        saved = metrics["fixed/engine_choice_seconds"] - trial.start_seconds
-        history["fixed_seconds"] = measured["fixed_seconds"] - saved
-        history["process_seconds"] = measured["process_seconds"] - saved
-    prediction.remember(key, predicted, history)
-    get_run_logger().info("predicted wall: %s", predicted.describe())
-    return prediction.compare(predicted, measured)
+    fresh = [r for r in results if r.shard_id not in cached]
+    engine_rows = sum(r.rows_out - r.rows_from_cache - r.rows_collapsed for r in fresh)
+    trials_ran = engine_choice is not None and not engine_choice.cached and bool(engine_choice.trials)
+    prediction.remember_run(spec, engine, metrics, engine_rows, trials_ran)
+    get_run_logger().info("%s", predicted.describe())
+    return prediction.compare(predicted, metrics)
 
 
 def shard_table(spec: JobSpec, results: list[ShardResult], cached: set[str]) -> list[dict[str, Any]]:
@@ -187,8 +179,8 @@ def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: flo
         params.update(engine_choice.params())
         metrics.update(engine_choice.metrics())
     metrics.update(fixed_and_steady(metrics))
-    if engine_choice is not None:
-        metrics.update(predicted_against_measured_wall(engine_choice, engine, metrics))
+    metrics.update(predicted_against_measured_wall(spec, engine, engine_choice, metrics, results,
+                                                   set(cached_shard_ids or ())))
     job_tokens = metrics.get("input_tokens", 0.0) + metrics.get("output_tokens", 0.0)
     if gate_report is not None:  # at the gate's measured rates, against running the corpus on the reference
         metrics["gate_usd_saved"] = gate_report.usd_saved(job_tokens)

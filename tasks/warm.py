@@ -171,19 +171,11 @@ def finish_api_start(api: EphemeralApi | None) -> None:
 
 
 def nothing_left_to_run(spec: JobSpec, shards) -> bool:
-    """Whether the output's final manifest already covers every one of these shards (a rerun of a
+    """Whether the output's manifest already covers every one of these shards (a rerun of a
     finished job): then no engine is needed, and starting one early would be pure cost."""
-    from tokenmill.outputs import MANIFEST, OutputStore
+    from tokenmill.prediction import finished_shards
 
-    try:
-        store = OutputStore(spec.output, spec.storage_options)
-        manifest = store.read_json(store.path(MANIFEST))
-    except Exception:  # noqa: BLE001 - no manifest (or none readable): there is work to do
-        return False
-    if not manifest.get("complete") or manifest.get("mode") != spec.mode or manifest.get("model") != spec.model_name:
-        return False
-    done = {(s["shard_id"], s["fingerprint"]) for s in manifest.get("shards", [])}
-    return all((s.shard_id, s.fingerprint) in done for s in shards)
+    return len(finished_shards(spec, shards)) == len(shards)
 
 
 def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:

@@ -57,8 +57,10 @@ def seed_trials(spec: JobSpec, trials: list[dict]) -> None:
     """Figures as an earlier trial on this machine would have cached them."""
     model_path = resolve_model(spec.model_name)
     rows = trial_rows(spec, model_path)
-    key = trial_key(spec, model_path, engine_choice.device_label(), sum(map(len, rows)) / len(rows))
-    engine_choice._write_cache(key, [engine_choice.EngineTrial(**t) for t in trials], "test")
+    mean = sum(map(len, rows)) / len(rows)
+    key = trial_key(spec, model_path, engine_choice.device_label(), mean)
+    engine_choice._write_cache(key, [engine_choice.EngineTrial(**t) for t in trials], "test",
+                               engine_choice.trial_family(spec, model_path, engine_choice.device_label()), mean)
 
 
 def test_start_seconds_weigh_by_the_jobs_size(trial_cache, corpus):
@@ -133,21 +135,20 @@ def test_auto_runs_trials_records_why_and_reuses_them(trial_cache, corpus, embed
             discard_engine(resolve_model(spec.model_name), engine_choice.with_engine(spec, engine))
 
 
-def test_a_runs_measurement_becomes_the_next_prediction(trial_cache):
+def test_a_runs_measured_parts_become_the_next_predictions_parts(trial_cache):
     from tokenmill import prediction
 
-    first = prediction.predict_wall("shape:vllm", "vllm", tokens=100_000, tokens_per_s=5_000, rate_source="trial",
-                                    engine_start_seconds=40.0)
-    assert first.fixed_seconds == prediction.NOMINAL_STARTUP_SECONDS + 40.0 and first.steady_factor == 1.0
-    measured = {"fixed_seconds": 50.0, "process_seconds": 75.0, "engine_tokens_per_s": 4_000.0}
-    assert prediction.compare(first, measured)["wall_prediction_error"] == pytest.approx(
-        (52.0 + 20.0) / 75.0 - 1)
-    prediction.remember("shape:vllm", first, measured)
-    second = prediction.predict_wall("shape:vllm", "vllm", tokens=200_000, tokens_per_s=5_000, rate_source="trial",
-                                     engine_start_seconds=40.0)
-    # fixed 50 s as measured; the steady part took 25 s where the trial's rate says 20 s: factor 1.25
-    assert second.fixed_seconds == 50.0 and second.steady_factor == pytest.approx(1.25)
-    assert second.seconds == pytest.approx(50.0 + 40.0 * 1.25)
+    parts = prediction.read_parts()
+    assert prediction.stored(parts, "here|vllm|embed", "python imports", 8.0) == (
+        8.0, "default: never measured here, 8 s")
+    prediction.remember_parts({"here|vllm|embed": {"python imports": 3.0}})
+    prediction.remember_parts({"here|vllm|embed": {"python imports": 5.0}})
+    prediction.remember_parts({"here|vllm|embed": {"python imports": 4.0, "exit": 1.5}})
+    parts = prediction.read_parts()
+    assert prediction.stored(parts, "here|vllm|embed", "python imports", 8.0) == (
+        4.0, "measured here, median of 3 runs")
+    assert prediction.stored(parts, "here|vllm|embed", "exit", 2.0)[0] == 1.5
+    assert prediction.stored(parts, "here|transformers|embed", "exit", 2.0)[1].startswith("default")  # per engine
 
 
 def test_plan_without_a_rate_uses_the_engine_trial(trial_cache, corpus, tmp_path):
@@ -165,11 +166,12 @@ def test_plan_without_a_rate_uses_the_engine_trial(trial_cache, corpus, tmp_path
     mlflow.set_tracking_uri(uri)
     (plan_run,) = mlflow.search_runs(experiment_names=["plans"], output_format="list")
     metrics = plan_run.data.metrics
-    assert metrics["plan_tokens_per_s_per_gpu"] == 1_000.0  # 48 rows: transformers finishes first
+    assert metrics["plan_tokens_per_s_per_gpu"] == pytest.approx(1_000.0)  # 48 rows: transformers finishes first
     assert metrics["plan_local_wall_seconds"] == pytest.approx(
-        metrics["plan_local_fixed_seconds"] + metrics["plan_tokens"] / 1_000.0)
+        metrics["plan_local_fixed_seconds"] + metrics["plan_local_engine_seconds"])
     plan_text = open(mlflow.MlflowClient().download_artifacts(plan_run.info.run_id, "plan.md", str(tmp_path))).read()
-    assert "On this machine, one process" in plan_text and "transformers trial on this machine" in plan_text
+    assert "On this machine, one process" in plan_text and "from transformers measured here at" in plan_text
+    assert "predicted wall" in plan_text and "on transformers" in plan_text
 
 
 def test_auto_keeps_the_shard_keys_of_jobs_that_never_named_an_engine(corpus):

@@ -208,6 +208,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from tokenmill.flows.batch import batch_flow
 
+    if spec.gate is None and getattr(spec, "dispatch", "local") == "local":  # a gate may change the model
+        from tokenmill.prediction import predict_job
+
+        print(predict_job(spec).describe(), flush=True)  # before any work: the record holds it to the run
     start_engine_early(spec, api)
     finish_api_start(api)
     timeline.mark("flow_called")
@@ -248,6 +252,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(result.calibration.summary())
     print(f"\nPlot: {result.plot}\nRecommended batch settings ({args.out}/batching.yaml):\n")
     print(result.snippet, end="")
+    print(f"\n{result.prediction}")
     return 0
 
 
@@ -426,6 +431,9 @@ def command() -> None:
         sys.exit(code)
     shutdown()
     atexit._run_exitfuncs()
+    prediction = sys.modules.get("tokenmill.prediction")
+    if prediction is not None:  # the run's last part, measured as it ends
+        prediction.remember_exit()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

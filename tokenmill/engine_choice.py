@@ -312,11 +312,7 @@ def _job_tokens(spec: JobSpec, good: list[EngineTrial], job_rows: int | None, me
                 job_tokens: float | None) -> float | None:
     """The job's tokens as the trials' rates count them: output tokens too, for a generate job."""
     if job_tokens and spec.mode == "generate":  # the trial's rates count output tokens too: so must the job's
-        out_per_row = max(t.output_tokens / t.rows for t in good if t.rows) if good else 0.0
-        trial_cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)
-        if out_per_row >= 0.9 * trial_cap:  # the trial's outputs ran to its cap: the job's run to theirs
-            out_per_row = 0.9 * spec.generation.max_tokens * spec.generation.n
-        job_tokens = job_rows * (mean_tokens + out_per_row)
+        job_tokens = job_rows * (mean_tokens + output_tokens_per_row(spec, good))
     return job_tokens
 
 
@@ -359,6 +355,26 @@ def judge_from_other_lengths(cache: dict[str, Any], family: str, mean_tokens: fl
         return []
     nearest_mean, nearest = min(measured, key=lambda m: abs(math.log2(m[0]) - math.log2(max(mean_tokens, 1.0))))
     return [nearest[e].model_copy(update={"estimated_from": [nearest_mean]}) for e in able]
+
+
+def output_tokens_per_row(spec: JobSpec, trials: list[EngineTrial]) -> float:
+    """Generation: the output tokens a job's row will have, from its trials: their mean, or, where the
+    trial's outputs ran to the trial's cap, the job's own cap (0.9 of max_tokens, times n)."""
+    out_per_row = max((t.output_tokens / t.rows for t in trials if t.rows), default=0.0)
+    trial_cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)
+    if not trials or out_per_row >= 0.9 * trial_cap:
+        return 0.9 * spec.generation.max_tokens * spec.generation.n
+    return out_per_row
+
+
+def engine_trials(spec: JobSpec) -> list[tuple[float, EngineTrial]]:
+    """(mean tokens a row, trial) for every trial of this job's family measured here, at any length class
+    and of any engine: the tokens/s curve over length that a prediction reads."""
+    model_path = resolve_model(spec.model_name)
+    family = trial_family(spec, model_path, device_label())
+    return [(entry["mean_tokens"], EngineTrial.model_validate(t)) for entry in _read_cache().values()
+            if entry.get("family") == family and entry.get("mean_tokens") for t in entry["trials"]
+            if not t.get("error")]
 
 
 def trials_cached(spec: JobSpec) -> bool:

@@ -1,124 +1,436 @@
-"""How long a job takes as a whole process, predicted, and afterwards checked.
+"""How long a job takes as a whole process on this machine, from measured parts; afterwards, checked.
 
-    predicted wall = fixed seconds + tokens / steady tokens/s x steady factor
+    wall = python imports + orchestration start + engine trials (when they will run) + engine start
+           + engine seconds + shard overhead + index build + finish + exit
 
-- fixed seconds: process start to the first engine call (interpreter and imports, the
-  orchestrator's API, the engine's start, the first shard's read and tokenize), as the last
-  run of this job shape on this machine measured it; before any run, the engine's start from
-  its trial plus nominal imports and API start.
-- steady tokens/s: the engine's, from its trial on the job's sample (`engine: auto`) or from a
-  calibration.
-- steady factor: what the rest of a run adds to the engine's own time (reading, tokenizing
-  and writing the other shards, the manifest, the record), as measured by the last run here;
-  1 before any run.
+- engine seconds: the rows still to compute (finished shards and the rows the row cache holds left
+  out) at their lengths, from the job's own sample: each row's tokens / tokens_per_s(length), the
+  rate read off the engine trials' curve over length (this job's trials at every length class
+  measured here: log-log between them, flat beyond). Generation counts output tokens too: the job's
+  max_tokens where the trial's outputs ran to their cap, else the trial's mean.
+- every other part is measured seconds, stored per engine and device (the engine's start per
+  model too; the trials per model) in `run-parts.json` beside the engine trials
+  (`TOKENMILL_CACHE_DIR`), each the median of the last three runs that measured it. Nothing is a
+  factor fitted to another job's wall time.
+- a part never measured here is named in the prediction as a default, with its value.
 
-The run record holds the prediction made from earlier runs beside what this run measured,
-like with like: predicted against measured wall (the same tokens, so the corpus estimate's
-error stays out of it), and the trial's tokens/s against the engine's measured tokens/s.
-History is kept per job shape (model, mode, engine, device, length class) in the cache
-directory (`TOKENMILL_CACHE_DIR`), beside the engine trials.
+`tokenmill plan`, `tokenmill calibrate` and `tokenmill run` all call `predict_job`, so one job
+gets one line. The run makes its prediction before it starts work (before any trial) and its
+record holds it beside what it measured: wall, engine and fixed seconds.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
-from tokenmill.engine_choice import cache_dir
+from tokenmill import timeline
+from tokenmill.device import device_label
+from tokenmill.engine_choice import (
+    cache_dir,
+    engine_trials,
+    length_class,
+    output_tokens_per_row,
+    runnable_engines,
+    trial_family,
+    trial_rows,
+    trials_cached,
+)
+from tokenmill.models import resolve_model
+from tokenmill.outputs import MANIFEST, OutputStore
+from tokenmill.planning import row_cache_share, rows_per_shard
+from tokenmill.row_cache import cache_uri
+from tokenmill.shards import discover_shards_for
+from tokenmill.spec import JobSpec
 
-# Before the first run on a machine: seconds for the interpreter, imports and Prefect's API
-# (measured on the 2-core CI machine: 8 to 15 s; a nominal middle)
-NOMINAL_STARTUP_SECONDS = 12.0
+# For a part never measured on this machine: seconds (per 1,000 rows where the name says so), stated
+# with the prediction. Middles of what a 2-core CPU measured; a GPU host's differ.
+DEFAULT_SECONDS = {
+    "python imports": 8.0, "orchestration start": 6.0, "engine start": 10.0, "engine trials": 90.0,
+    "shard overhead per 1,000 rows": 1.0, "index build per 1,000 rows": 1.0, "finish": 2.0, "exit": 2.0,
+}
+AROUND_THE_ENGINE = frozenset({"python imports", "orchestration start", "shard overhead per 1,000 rows",
+                               "index build per 1,000 rows", "finish", "exit"})
+DEFAULT_ENGINE_START = {"vllm": 40.0, "transformers": 4.0, "onnxruntime": 4.0}
+DEFAULT_TOKENS_PER_S = {"embed": 3_000.0, "generate": 100.0}
+DEFAULT_WINNER = {"embed": "transformers", "generate": "vllm"}  # auto's usual choice on a CPU, without trials
+KEEP_LAST = 3
 
 
-class WallPrediction(BaseModel):
+class Part(BaseModel):
+    name: str
+    seconds: float
+    source: str  # how it was measured, or "default: never measured here"
+
+    @property
+    def is_default(self) -> bool:
+        return self.source.startswith("default")
+
+
+class Prediction(BaseModel):
     engine: str
-    tokens: float
-    tokens_per_s: float
-    rate_source: str
-    fixed_seconds: float
-    fixed_source: str
-    steady_factor: float
-    factor_source: str
+    rows: int  # rows the engine computes
+    tokens: float  # input + output tokens the engine computes
+    parts: list[Part]
 
     @property
     def seconds(self) -> float:
-        return self.fixed_seconds + self.tokens / self.tokens_per_s * self.steady_factor
+        return sum(p.seconds for p in self.parts)
+
+    @property
+    def engine_seconds(self) -> float:
+        return sum(p.seconds for p in self.parts if p.name == "engine")
+
+    @property
+    def fixed_seconds(self) -> float:
+        return self.seconds - self.engine_seconds
+
+    def part(self, name: str) -> Part | None:
+        return next((p for p in self.parts if p.name == name), None)
 
     def describe(self) -> str:
-        return (f"{self.seconds:,.0f} s = {self.fixed_seconds:,.0f} s fixed ({self.fixed_source}) + "
-                f"{self.tokens:,.0f} tokens / {self.tokens_per_s:,.0f} tokens/s ({self.rate_source})"
-                + (f" x {self.steady_factor:.2f} ({self.factor_source})" if self.steady_factor != 1.0 else ""))
+        parts = "; ".join(f"{p.name} {p.seconds:,.1f} s ({p.source})" for p in self.parts if p.seconds or p.is_default)
+        return (f"predicted wall {self.seconds:,.0f} s on {self.engine}: {self.fixed_seconds:,.0f} s fixed + "
+                f"{self.engine_seconds:,.0f} s engine for {self.rows:,} rows, {self.tokens:,.0f} tokens [{parts}]")
+
+    def metrics(self) -> dict[str, float]:
+        return {"predicted_wall_seconds": self.seconds, "predicted_engine_seconds": self.engine_seconds,
+                "predicted_fixed_seconds": self.fixed_seconds, "predicted_tokens": self.tokens,
+                "predicted_exit_seconds": getattr(self.part("exit"), "seconds", 0.0),
+                "predicted_default_parts": float(sum(p.is_default for p in self.parts))}
 
 
-def history_key(shape_key: str, engine: str) -> str:
-    return f"{shape_key}:{engine}"
+class JobSample(BaseModel):
+    """What the engine will compute: rows and shards still to run, and the sample's token lengths."""
+    rows: int
+    shards: int
+    lengths: list[int]
+    row_cache_share: float = 0.0
+    finished_shards: int = 0
 
 
-def _history_path() -> Path:
-    return cache_dir() / "run-history.json"
+# ---- the parts cache -------------------------------------------------------------------------------
+
+def _parts_path() -> Path:
+    return cache_dir() / "run-parts.json"
 
 
-def read_history(key: str) -> dict[str, Any] | None:
+def read_parts() -> dict[str, Any]:
     try:
-        return json.loads(_history_path().read_text()).get(key)
+        return json.loads(_parts_path().read_text())
     except (OSError, ValueError):
-        return None
+        return {}
 
 
-def write_history(key: str, entry: dict[str, Any]) -> None:
-    path = _history_path()
+def remember_parts(measured: dict[str, dict[str, float]]) -> None:
+    """Measured seconds by (key, part name): appended to each part's last KEEP_LAST measurements."""
+    if not measured:
+        return
+    path = _parts_path()
     path.parent.mkdir(parents=True, exist_ok=True)
+    stored = read_parts()
+    for key, parts in measured.items():
+        entry = stored.setdefault(key, {})
+        for name, seconds in parts.items():
+            entry[name] = (entry.get(name, []) + [round(max(seconds, 0.0), 3)])[-KEEP_LAST:]
+        entry["_measured_at"] = [time.time()]
+    temporary = path.with_name(f".run-parts.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(stored, indent=1))
+    temporary.replace(path)  # atomic: a concurrent reader sees old or new
+
+
+def fixed_key(spec: JobSpec, engine: str) -> str:
+    return f"{device_label()}|{engine}|{spec.mode}"
+
+
+def engine_key(spec: JobSpec, engine: str) -> str:
+    return f"{device_label()}|{engine}|{spec.model_name}|{spec.mode}"
+
+
+def trials_key(spec: JobSpec) -> str:
+    return f"{device_label()}|trials|{spec.model_name}|{spec.mode}"
+
+
+def rates_key(spec: JobSpec, engine: str) -> str:
+    """Engine rates measured by runs: per engine and device, for this job's family (model, mode, batching)."""
+    return f"{device_label()}|{engine}|rates|{trial_family(spec, resolve_model(spec.model_name), device_label())}"
+
+
+def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> list[tuple[float, float, str]]:
+    """(mean input tokens a row, tokens/s, where from): what runs of this job's family measured here at a
+    length class, else its trial there."""
+    runs = parts.get(rates_key(spec, engine), {})
+    points = {int(name.split("@")[1]): (statistics.median(runs[f"mean_tokens@{name.split('@')[1]}"]),
+                                        statistics.median(values), "runs")
+              for name, values in runs.items() if name.startswith("tokens_per_s@")}
+    for mean, t in trials:
+        if t.engine == engine and t.tokens_per_s > 0:
+            points.setdefault(length_class(mean), (mean, t.tokens_per_s, "trial"))
+    return sorted(points.values())
+
+
+def stored(parts: dict[str, Any], key: str, name: str, default: float) -> tuple[float, str]:
+    """A part's seconds here (the median of its last measurements) and where they came from. A part of
+    the process around the engine (imports, orchestration, overhead, finish, exit) that runs on this
+    engine never measured is read from runs on another engine of this device and mode, and says so."""
+    values = parts.get(key, {}).get(name)
+    source = f"measured here, median of {len(values or [])} run{'s' if len(values or []) > 1 else ''}"
+    if not values and name in AROUND_THE_ENGINE:
+        device, engine, mode = key.split("|")
+        other = next((k for k, v in sorted(parts.items()) if v.get(name) and k.count("|") == 2
+                      and k.startswith(f"{device}|") and k.endswith(f"|{mode}")), None)
+        if other is not None:
+            values = parts[other][name]
+            source = f"measured here on {other.split('|')[1]}, median of {len(values)} run{'s' if len(values) > 1 else ''}"
+    if not values:
+        return default, f"default: never measured here, {default:g} s"
+    return statistics.median(values), source
+
+
+# ---- engine seconds ----------------------------------------------------------------------------------
+
+def rate_at(points: list[tuple[float, float]], length: float) -> float:
+    """tokens/s at `length` tokens a row from (mean tokens a row, tokens/s) points: log-log between
+    the measured lengths, the nearest one's rate beyond them."""
+    points = sorted(points)
+    x = math.log(max(length, 1.0))
+    logs = [(math.log(m), math.log(r)) for m, r in points]
+    if x <= logs[0][0]:
+        return points[0][1]
+    if x >= logs[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(logs, logs[1:]):
+        if x0 <= x <= x1:
+            return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0 or 1.0))
+    return points[-1][1]
+
+
+def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
+                parts: dict[str, Any] | None = None) -> tuple[Part, float]:
+    """The engine's seconds for the rows still to compute, and their tokens."""
+    points = rate_points(spec, engine, parts or {}, trials)
+    lengths = sample.lengths or [1]
+    out_per_row = (output_tokens_per_row(spec, [t for _, t in trials if t.engine == engine])
+                   if spec.mode == "generate" else 0.0)
+    row_share = sample.rows / len(lengths)
+    tokens = row_share * sum(n + out_per_row for n in lengths)
+    if not points:
+        rate = DEFAULT_TOKENS_PER_S[spec.mode]
+        return Part(name="engine", seconds=tokens / rate,
+                    source=f"default: {engine} never measured here for this job, {rate:,.0f} tokens/s"), tokens
+    curve = [(mean + out_per_row, rate) for mean, rate, _ in points]
+    seconds = row_share * sum((n + out_per_row) / rate_at(curve, n + out_per_row) for n in lengths)
+    measured_at = ", ".join(f"{m:,.0f} ({where})" for m, _, where in points)
+    source = (f"{tokens / seconds if seconds else 0:,.0f} tokens/s over the sample's lengths, from {engine} "
+              f"measured here at {measured_at} tokens a row" + (f"; {out_per_row:,.0f} output tokens a row"
+                                                                if spec.mode == "generate" else ""))
+    return Part(name="engine", seconds=seconds, source=source), tokens
+
+
+# ---- the job -----------------------------------------------------------------------------------------
+
+def finished_shards(spec: JobSpec, shards) -> set[str]:
+    """Ids of the shards the output's manifest (final or partial) already holds with these fingerprints."""
     try:
-        history = json.loads(path.read_text())
-    except (OSError, ValueError):
-        history = {}
-    history[key] = {**entry, "measured_at": time.time()}
-    temporary = path.with_name(f".run-history.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(history, indent=1))
-    temporary.replace(path)
+        store = OutputStore(spec.output, spec.storage_options)
+        manifest = store.read_json(store.path(MANIFEST))
+    except Exception:  # noqa: BLE001 - no manifest (or none readable): nothing is finished
+        return set()
+    if manifest.get("mode") != spec.mode or manifest.get("model") != spec.model_name:
+        return set()
+    done = {(s["shard_id"], s["fingerprint"]) for s in manifest.get("shards", [])}
+    return {s.shard_id for s in shards if (s.shard_id, s.fingerprint) in done}
 
 
-def predict_wall(key: str, engine: str, tokens: float, tokens_per_s: float, rate_source: str,
-                 engine_start_seconds: float) -> WallPrediction:
-    """The whole-process prediction for `tokens` on `engine`, from this job shape's last run here."""
-    last = read_history(key)
-    if last:
-        fixed, fixed_source = last["fixed_seconds"], "last run here"
-        factor, factor_source = last["steady_factor"], "last run here"
+def job_sample(spec: JobSpec) -> JobSample:
+    """The rows still to compute (finished shards and the row cache's share left out) and the token
+    lengths of the job's sample: the one its engine trial takes."""
+    shards = discover_shards_for(spec)
+    done = finished_shards(spec, shards)
+    rows = rows_per_shard(spec, shards)
+    todo = [(s, n) for s, n in zip(shards, rows) if s.shard_id not in done]
+    lengths = [len(r) for r in trial_rows(spec, resolve_model(spec.model_name))]
+    share = 0.0
+    if todo and spec.cache.enabled and _row_cache_exists(spec):
+        share, _ = row_cache_share(spec, [s for s, _ in todo], [n for _, n in todo], len(lengths))
+    to_compute = round(sum(n for _, n in todo) * (1.0 - share))
+    return JobSample(rows=to_compute, shards=len(todo), lengths=lengths, row_cache_share=share,
+                     finished_shards=len(done))
+
+
+def _row_cache_exists(spec: JobSpec) -> bool:
+    try:
+        store = OutputStore(cache_uri(spec), spec.storage_options)
+        return store.fs.exists(store.root)
+    except Exception:  # noqa: BLE001 - unreadable: read as empty
+        return False
+
+
+def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str]:
+    """The engine the job will run on, and why: as written, or auto's choice by the trials' curve."""
+    if spec.model.engine != "auto":
+        return spec.model.engine, "as written"
+    able, _ = runnable_engines(spec)
+    if len(able) == 1:
+        return able[0], "the only engine that can run it here"
+    measured = {t.engine for _, t in trials} & set(able)
+    if measured != set(able):
+        guess = DEFAULT_WINNER[spec.mode] if DEFAULT_WINNER[spec.mode] in able else able[0]
+        return guess, f"default: auto's usual choice for {spec.mode} here, before any trial"
+    # as auto weighs them (engine_choice.choose_engine): the trial's start, then the job at the trial's rate
+    seconds = {e: trial_start(spec, e, sample, trials) + engine_part(spec, e, sample, trials)[0].seconds
+               for e in able}  # the trials' figures alone: what choose_engine weighs
+    return min(seconds, key=seconds.get), "auto, by the trials' starts and rates"
+
+
+def trial_start(spec: JobSpec, engine: str, sample: JobSample, trials) -> float:
+    """The engine's start seconds in its trial nearest the sample's mean length (0 when it has none)."""
+    mine = [(mean, t) for mean, t in trials if t.engine == engine]
+    if not mine:
+        return 0.0
+    mean = statistics.fmean(sample.lengths or [1])
+    return min(mine, key=lambda m: abs(math.log(m[0]) - math.log(max(mean, 1.0))))[1].start_seconds
+
+
+def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> Prediction:
+    """The whole process's seconds in parts (see the module's docstring); reads nothing but this job's
+    sample, this job's trials (`trials`) and the parts measured here for its engine (`parts`)."""
+    engine, why = predicted_engine(spec, sample, trials)
+    fixed, per_engine = fixed_key(spec, engine), engine_key(spec, engine)
+    trial_runs = spec.model.engine == "auto" and len(runnable_engines(spec)[0]) > 1 and not trials_cached(spec)
+    out = [Part(name="python imports", seconds=0, source=""), Part(name="orchestration start", seconds=0, source="")]
+    for part in out:
+        part.seconds, part.source = stored(parts, fixed, part.name, DEFAULT_SECONDS[part.name])
+    if trial_runs:
+        seconds, source = stored(parts, trials_key(spec), "engine trials", DEFAULT_SECONDS["engine trials"])
+        out.append(Part(name="engine trials", seconds=seconds, source=f"{source}; every engine started and timed"))
+    if trial_runs and engine == "vllm":  # the trial's last engine, kept open for the job
+        out.append(Part(name="engine start", seconds=0.0, source="kept open from its trial"))
     else:
-        fixed = NOMINAL_STARTUP_SECONDS + engine_start_seconds
-        fixed_source = f"no run here yet: {NOMINAL_STARTUP_SECONDS:.0f} s nominal start-up + the engine's trial start"
-        factor, factor_source = 1.0, "no run here yet"
-    return WallPrediction(engine=engine, tokens=tokens, tokens_per_s=tokens_per_s, rate_source=rate_source,
-                          fixed_seconds=fixed, fixed_source=fixed_source, steady_factor=factor,
-                          factor_source=factor_source)
+        out.append(engine_start_part(spec, engine, sample, parts, trials))
+    engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts)
+    out.append(engine_seconds)
+    per_1k = [("shard overhead per 1,000 rows", "shard overhead")]
+    if spec.index is not None and spec.mode == "embed":
+        per_1k.append(("index build per 1,000 rows", "index build"))
+    for name, label in per_1k:
+        seconds, source = stored(parts, fixed, name, DEFAULT_SECONDS[name])
+        out.append(Part(name=label, seconds=seconds * sample.rows / 1000,
+                        source=f"{seconds:.2f} s per 1,000 rows, {source}"))
+    for name in ("finish", "exit"):
+        seconds, source = stored(parts, fixed, name, DEFAULT_SECONDS[name])
+        out.append(Part(name=name, seconds=seconds, source=source))
+    if why.startswith("default"):
+        out[0].source += f"; engine {engine}: {why}"
+    return Prediction(engine=engine, rows=sample.rows, tokens=tokens, parts=out)
 
 
-def compare(prediction: WallPrediction, measured: dict[str, float]) -> dict[str, float]:
-    """Prediction beside measurement, as run metrics. `measured` holds the run's fixed_seconds,
-    process_seconds and engine tokens/s (tokens over engine seconds)."""
-    out = {"predicted_wall_seconds": prediction.seconds, "predicted_fixed_seconds": prediction.fixed_seconds,
-           "predicted_engine_tokens_per_s": prediction.tokens_per_s}
-    if measured.get("process_seconds"):
-        out["measured_wall_seconds"] = measured["process_seconds"]
-        out["wall_prediction_error"] = prediction.seconds / measured["process_seconds"] - 1.0
-    if measured.get("engine_tokens_per_s"):
-        out["measured_engine_tokens_per_s"] = measured["engine_tokens_per_s"]
-        out["engine_tokens_per_s_error"] = prediction.tokens_per_s / measured["engine_tokens_per_s"] - 1.0
+def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict[str, Any], trials) -> Part:
+    """The engine's start as runs here waited for it; before any run, as its trial measured it."""
+    seconds, source = stored(parts, engine_key(spec, engine), "engine start", DEFAULT_ENGINE_START.get(engine, 10.0))
+    if source.startswith("default") and any(t.engine == engine for _, t in trials):
+        seconds, source = trial_start(spec, engine, sample, trials), "its trial's start, no run here yet"
+    return Part(name="engine start", seconds=seconds, source=f"{engine}: {source}")
+
+
+_made: dict[str, Prediction] = {}  # per job, for this process: the prediction its run is held to
+
+
+def predict_job(spec: JobSpec) -> Prediction:
+    """The one prediction of a job on this machine: `tokenmill plan`, `calibrate` and `run` call this."""
+    prediction = predict(spec, job_sample(spec), read_parts(), engine_trials(spec))
+    _made[_job_key(spec)] = prediction
+    return prediction
+
+
+def made_for(spec: JobSpec) -> Prediction | None:
+    """The prediction this process made for this job before running it, if it made one."""
+    return _made.get(_job_key(spec))
+
+
+def _job_key(spec: JobSpec) -> str:
+    return spec.model_dump_json(include={"input", "output", "model", "mode", "batching", "generation"})
+
+
+# ---- afterwards: what the run measured -----------------------------------------------------------------
+
+def _span(marks: dict[str, float], start: str, end: str) -> float:
+    return max(marks[end] - marks[start], 0.0) if start in marks and end in marks else 0.0
+
+
+def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
+                   trials_ran: bool) -> dict[str, dict[str, float]]:
+    """This run's parts, by the cache key each is stored under (see `predict`)."""
+    marks = {"process": timeline.process_started(), **timeline.marks()}
+    if not timeline.measures_process() or "cli_ready" not in marks or "first_engine_call" not in marks:
+        return {}
+    # a first trial waits for the orchestrator's API before it starts (tasks/warm.py), so its part holds
+    # that wait, which a run with its trials cached spends under the engine's start
+    trials = (_span(marks, "engine_choice_start", "engine_choice_done") + _span(marks, "api_start", "api_ready")
+              if trials_ran else 0.0)
+    engine_start = 0.0 if trials_ran else _span(marks, "engine_start", "engine_ready")
+    prepare = _span(marks, "first_shard_started", "first_engine_call")
+    index = _span(marks, "index_start", "index_done")
+    fixed: dict[str, float] = {"python imports": _span(marks, "process", "cli_ready"),
+                               "finish": _span(marks, "shards_done", "record_started") - index}
+    fixed["orchestration start"] = _span(marks, "cli_ready", "first_engine_call") - trials - engine_start - prepare
+    if engine_rows > 0 and "shards_done" in marks:
+        outside = _span(marks, "first_engine_call", "shards_done") + prepare - metrics.get("engine_seconds", 0.0)
+        fixed["shard overhead per 1,000 rows"] = outside / engine_rows * 1000
+        if index:
+            fixed["index build per 1,000 rows"] = index / engine_rows * 1000
+    out = {fixed_key(spec, engine): fixed}
+    engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
+    if engine_rows > 0 and engine_seconds > 0 and engine_tokens > 0:
+        mean_in = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
+        out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
+                                        f"mean_tokens@{length_class(mean_in)}": mean_in}
+    if trials_ran:
+        out[trials_key(spec)] = {"engine trials": trials}
+    elif engine_start:
+        out[engine_key(spec, engine)] = {"engine start": engine_start}
     return out
 
 
-def remember(key: str, prediction: WallPrediction, measured: dict[str, float]) -> None:
-    """This run's fixed seconds and steady factor, for the next prediction of this job shape here."""
-    fixed, wall = measured.get("fixed_seconds"), measured.get("process_seconds")
-    if not fixed or not wall or prediction.tokens <= 0:
-        return
-    steady_wall = wall - fixed
-    factor = steady_wall / (prediction.tokens / prediction.tokens_per_s)
-    write_history(key, {"fixed_seconds": fixed, "steady_factor": factor, "tokens": prediction.tokens})
+def compare(prediction: Prediction, metrics: dict[str, float]) -> dict[str, float]:
+    """Prediction beside measurement, as run metrics. The record is written before the process exits, so
+    the measured wall runs to the record's start and is held against the prediction less its exit part."""
+    out = prediction.metrics()
+    wall = metrics.get("process_seconds")
+    if not wall:
+        return out
+    to_record = prediction.seconds - out["predicted_exit_seconds"]
+    engine = metrics.get("engine_seconds", 0.0)
+    out.update(measured_wall_seconds=wall, predicted_wall_seconds_to_record=to_record,
+               wall_prediction_error=to_record / wall - 1.0, measured_engine_seconds=engine,
+               measured_fixed_seconds=wall - engine,
+               predicted_fixed_seconds_to_record=to_record - prediction.engine_seconds)
+    if engine:
+        out["engine_seconds_prediction_error"] = prediction.engine_seconds / engine - 1.0
+    return out
+
+
+_exit_from: list[tuple[str, float]] = []  # (parts key, record's start) of the run whose exit this process measures
+
+
+def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
+                 trials_ran: bool) -> None:
+    """Store this run's measured parts for the next prediction of any job on this engine here."""
+    remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran))
+    marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
+    if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
+        _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"])]
+
+
+def remember_exit() -> None:
+    """The command's last step: the seconds from the record's start to the process's end, its exit part."""
+    if _exit_from:
+        key, started = _exit_from.pop()
+        remember_parts({key: {"exit": time.time() - started}})

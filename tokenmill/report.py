@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from tokenmill.bucketing import PaddingStats
-from tokenmill.calibrate import Calibration
 from tokenmill.economics import RunCost, rate_per_s
 from tokenmill.results import ShardResult
 from tokenmill.spec import JobSpec
@@ -34,7 +33,6 @@ def run_metrics(results: Iterable[ShardResult], wall_seconds: float, spec: JobSp
     baseline = sum(r.baseline_padded_slots for r in results)
     metrics = cost.metrics()
     metrics.update(padding_waste_avoided(fresh, cost))
-    metrics.update(predicted_against_measured(spec, cost))
     metrics.update(
         rows_in=sum(r.rows_in for r in results),
         rows_out=sum(r.rows_out for r in results),
@@ -119,23 +117,6 @@ def padding_waste_avoided(fresh: list[ShardResult], cost: RunCost) -> dict[str, 
     }
 
 
-def predicted_against_measured(spec: JobSpec, cost: RunCost) -> dict[str, float]:
-    """With a calibration: the tokens/s it predicts at the job's batch size, and the $ that
-    implies for the tokens this run processed, beside what was measured."""
-    if not spec.calibration:
-        return {}
-    calibration = Calibration.model_validate_json(Path(spec.calibration).read_text())
-    predicted = calibration.tokens_per_s_at(spec.batching.max_batch_size)
-    predicted_hours = cost.total_tokens / predicted / 3600 * cost.gpu_count if predicted else 0.0
-    return {
-        "predicted_tokens_per_s": predicted,
-        "measured_tokens_per_s": cost.tokens_per_s,
-        "measured_vs_predicted_tokens_per_s": cost.tokens_per_s / predicted if predicted else 0.0,
-        "predicted_usd_spot": predicted_hours * cost.usd_per_gpu_hour_spot,
-        "measured_usd_spot": cost.usd_spot,
-    }
-
-
 def summary_markdown(spec: JobSpec, metrics: dict[str, float], results: list[ShardResult]) -> str:
     m = metrics
     lines = [
@@ -161,10 +142,12 @@ def summary_markdown(spec: JobSpec, metrics: dict[str, float], results: list[Sha
         lines.append(f"- fleet: {m['worker_runs']:.0f} worker runs over {m['dispatch_rounds']:.0f} dispatch rounds "
                      f"({m['worker_runs_lost']:.0f} lost, {m['speculative_copies']:.0f} speculative copies), "
                      f"{m['worker_seconds']:.0f} worker-seconds")
-    if "predicted_tokens_per_s" in m:
-        lines.append(f"- predicted by calibration: {m['predicted_tokens_per_s']:.0f} tokens/s, "
-                     f"${m['predicted_usd_spot']:.4f}; measured: {m['measured_tokens_per_s']:.0f} tokens/s "
-                     f"({m['measured_vs_predicted_tokens_per_s']:.2f}x), ${m['measured_usd_spot']:.4f}")
+    if "measured_wall_seconds" in m:  # tokenmill.prediction: made before the run, beside what it measured
+        lines.append(f"- predicted against measured, to the record: wall {m['predicted_wall_seconds_to_record']:.1f} s "
+                     f"vs {m['measured_wall_seconds']:.1f} s ({m['wall_prediction_error']:+.1%}); engine "
+                     f"{m['predicted_engine_seconds']:.1f} s vs {m['measured_engine_seconds']:.1f} s; fixed "
+                     f"{m['predicted_fixed_seconds_to_record']:.1f} s vs {m['measured_fixed_seconds']:.1f} s; "
+                     f"whole process predicted {m['predicted_wall_seconds']:.1f} s")
     return "\n".join(lines) + "\n"
 
 

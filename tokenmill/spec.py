@@ -554,8 +554,9 @@ class JobSpec(_Spec):
         None, title="Eval gate", description="Check a cheaper candidate model against the reference on a sample "
         "before the corpus runs; on_fail says what a failed check does. Empty: no gate.")
     calibration: str | None = Field(
-        None, description="calibration.json from `tokenmill calibrate`: the run then records predicted "
-        "against measured tokens/s and $.")
+        None, description="calibration.json from `tokenmill calibrate`, kept with the run's params. The run's "
+        "predicted wall, engine and fixed seconds are the same prediction `tokenmill plan` prints, from parts "
+        "measured on this machine, calibrated or not.")
     cache: CacheSpec = Field(
         default_factory=CacheSpec, title="Row cache", description="Re-runs pay only for rows that changed; "
         "duplicate rows are computed once.")

@@ -1,0 +1,189 @@
+"""How close tokenmill's prediction of a job's wall time comes, on jobs of several shapes and sizes.
+
+    python -m bench.prediction            # writes bench/PREDICTION.md (~10-20 minutes on 2 cores)
+    python -m bench.prediction --quick    # tiny corpora: proves the path, not the figures
+
+Each job runs as a whole process (`python -m tokenmill.cli run --config job.yaml`), timed from spawn
+to exit. The prediction is the one the process printed before it started work (tokenmill/prediction.py:
+the same one `tokenmill plan` and `tokenmill calibrate` print), read back from its MLflow run
+(`predicted_wall_seconds`). The bench starts from an empty cache directory, so its first job is a
+first run on a new machine (every fixed part a stated default, the engine trials run), and each
+later job is predicted from the parts the earlier ones measured: its engine's start, imports,
+orchestration and per-row overhead, and the trials' tokens/s over length (a new length class runs,
+or is judged from, trials of its own).
+
+Sizes are 500 to 8,000 rows, not the issue's 20,000: the machine is a shared 2-core CPU and the
+whole bench is kept under ~25 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import yaml
+
+from bench import corpora
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = ROOT / "bench" / "PREDICTION.md"
+WORK = ROOT / "data" / "bench" / "prediction"
+ENV = {"HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+       "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "MLFLOW_ENABLE_ASYNC_LOGGING": "false"}
+GOAL = 0.10
+SUMMARY_MESSAGES = [{"role": "user", "content": "Summarize the following text in one sentence.\n\n{text}"}]
+
+
+@dataclass
+class Job:
+    name: str
+    corpus: str  # a folder name under WORK/corpora
+    fields: dict  # the job file's fields besides input, output and tracking
+    note: str = ""
+
+
+def jobs(quick: bool) -> list[Job]:
+    """In order: each job's prediction reads what the jobs before it measured on this machine."""
+    n = (lambda rows: max(8, rows // 50)) if quick else (lambda rows: rows)
+    embed, generate = {"mode": "embed"}, {"mode": "generate", "generation": {
+        "max_tokens": 32, "messages": SUMMARY_MESSAGES}, "model": {"name": "SmolLM2-135M-Instruct"}}
+    return [
+        Job("embed short 1,000 (first on the machine)", f"short-{n(1000)}", embed, "empty cache: defaults, trials"),
+        Job("embed short 1,000 (warm)", f"short-{n(1000)}", embed),
+        Job("embed short 8,000 (first at this size)", f"short-{n(8000)}", embed),
+        Job("embed long 500 (first)", f"long-{n(500)}", embed, "a new length class"),
+        Job("embed long 500 (warm)", f"long-{n(500)}", embed),
+        Job("embed mixed 3,000 (first)", f"mixed-{n(3000)}", embed),
+        Job("embed mixed 3,000, calibrated", f"mixed-{n(3000)}", {**embed, "calibration": "CALIBRATION"},
+            "--set calibration=<tokenmill calibrate's json>"),
+        Job("generate SmolLM2 48 rows, max_tokens 32 (first)", f"gen-{n(48) if quick else 48}", generate,
+            "new model and mode: defaults, trials"),
+        Job("generate SmolLM2 48 rows, max_tokens 32 (warm)", f"gen-{n(48) if quick else 48}", generate),
+    ]
+
+
+def write_corpus(name: str) -> Path:
+    shape, rows = name.rsplit("-", 1)
+    folder = WORK / "corpora" / name
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        table = corpora.build("mixed" if shape == "gen" else shape, int(rows))
+        pq.write_table(table, folder / "docs.parquet")
+    return folder
+
+
+def job_file(job: Job, index: int, calibration: Path | None) -> Path:
+    fields = json.loads(json.dumps(job.fields))
+    if fields.get("calibration") == "CALIBRATION":
+        fields["calibration"] = str(calibration)
+    fields.update(input=str(write_corpus(job.corpus)), output=str(WORK / "out" / f"job-{index}"),
+                  tracking={"mlflow_tracking_uri": f"sqlite:///{WORK / 'mlflow.db'}",
+                            "experiment": "tokenmill-bench-prediction"})
+    path = WORK / "jobs" / f"job-{index}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(fields, sort_keys=False))
+    return path
+
+
+def run_job(path: Path, output: Path) -> dict:
+    shutil.rmtree(output, ignore_errors=True)  # the whole job every time (its row cache lives in it too)
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "run", "--config", str(path), "--no-progress"],
+                          cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{path} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("predicted wall")), "")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{WORK / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tokenmill-bench-prediction").experiment_id
+    run = client.search_runs([experiment], order_by=["attributes.start_time DESC"], max_results=1)[0]
+    return {"wall": wall, "line": line, "metrics": dict(run.data.metrics), "engine": run.data.params.get("engine")}
+
+
+def calibrate(job: Job, index: int) -> tuple[Path, float, str]:
+    """`tokenmill calibrate` on the job (its own process): the calibration file and the prediction it printed."""
+    path = job_file(job, index, None)
+    out = WORK / "calibration"
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "calibrate", "--config", str(path), "--sizes",
+                           "16,64,256", "--sample-rows", "256", "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, **ENV}, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"calibrate exited {done.returncode}:\n{done.stderr[-3000:]}")
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("predicted wall")), "")
+    return out / "calibration.json", time.perf_counter() - started, line
+
+
+def table(results: list[tuple[Job, dict]]) -> list[str]:
+    lines = ["| job | rows | engine | predicted wall s | measured wall s | error | predicted engine s | "
+             "measured engine s | predicted fixed s | measured fixed s | default parts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for job, r in results:
+        m = r["metrics"]
+        predicted = m.get("predicted_wall_seconds", float("nan"))
+        error = predicted / r["wall"] - 1
+        exit_part = m.get("predicted_exit_seconds", 0.0)
+        lines.append(f"| {job.name} | {m.get('rows_out', 0):,.0f} | {r['engine']} | {predicted:.1f} | "
+                     f"{r['wall']:.1f} | {error:+.1%}{'' if abs(error) <= GOAL else ' **miss**'} | "
+                     f"{m.get('predicted_engine_seconds', 0):.1f} | {m.get('engine_seconds', 0):.1f} | "
+                     f"{m.get('predicted_fixed_seconds', 0):.1f} | {r['wall'] - m.get('engine_seconds', 0):.1f} | "
+                     f"{m.get('predicted_default_parts', 0):.0f} |")
+        r["error"], r["exit"] = error, exit_part
+    return lines
+
+
+def report(results: list[tuple[Job, dict]], calibration: tuple[float, str], seconds: float, quick: bool) -> str:
+    rows = table(results)
+    errors = [abs(r["error"]) for _, r in results]
+    met = sum(e <= GOAL for e in errors)
+    lines = ["# Predicted against measured wall time", "",
+             f"{dt.date.today()}, {'--quick, ' if quick else ''}`python -m bench.prediction` ({seconds / 60:.1f} "
+             f"minutes in all), on this machine: {os.cpu_count()} cores, shared with other work while it ran.", "",
+             *(__doc__.split("\n\n", 2)[2].strip().splitlines()), "", *rows, "",
+             f"|error|: median {statistics.median(errors):.1%}, mean {statistics.fmean(errors):.1%}, "
+             f"max {max(errors):.1%}; **{met} of {len(errors)} within {GOAL:.0%}**.", "",
+             "Fixed seconds measured = measured wall less the engine's seconds (the process's, from its record).",
+             "", f"`tokenmill calibrate` on the mixed job took {calibration[0]:.0f} s and printed:", "",
+             f"    {calibration[1]}", "", "The lines the runs printed before they started work:", ""]
+    lines += [f"- {job.name}: `{r['line']}`" for job, r in results]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    shutil.rmtree(WORK / "cache", ignore_errors=True)  # a new machine, as far as tokenmill knows
+    WORK.mkdir(parents=True, exist_ok=True)
+    os.environ["TOKENMILL_CACHE_DIR"] = str(WORK / "cache")
+    results, calibration = [], (0.0, "")
+    for index, job in enumerate(jobs(args.quick)):
+        if "calibration" in job.fields and not calibration[1]:
+            path, seconds, line = calibrate(job, index)
+            calibration = (seconds, line)
+        out = job_file(job, index, WORK / "calibration" / "calibration.json")
+        result = run_job(out, WORK / "out" / f"job-{index}")
+        print(f"{job.name}: measured {result['wall']:.1f} s; {result['line']}", flush=True)
+        results.append((job, result))
+    text = report(results, calibration, time.perf_counter() - started, args.quick)
+    target = WORK / "PREDICTION-quick.md" if args.quick else REPORT
+    target.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""tokenmill.prediction: one prediction of a job, from parts measured here, the same from plan, calibrate
+and run; never from another job's figures; a part never measured named as a default. No timing asserted."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import TEXTS, write_parquet
+
+
+def tokenmill(*args, cwd, cache):
+    env = dict(os.environ, PREFECT_HOME=str(cwd / ".prefect"), TOKENMILL_CACHE_DIR=str(cache))
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def prediction_line(stdout: str) -> str:
+    lines = [line for line in stdout.splitlines() if line.startswith("predicted wall")]
+    assert len(lines) == 1, stdout
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def job_a(tmp_path_factory):
+    """An embed job on transformers (no vLLM start): calibrated, planned, then run, each a process."""
+    root = tmp_path_factory.mktemp("prediction")
+    cache = root / "cache"
+    (root / "in").mkdir()
+    write_parquet(root / "in" / "docs.parquet", [f"d{i}" for i in range(48)], [TEXTS[i % len(TEXTS)] for i in range(48)])
+    job = {"input": str(root / "in"), "output": str(root / "out"), "mode": "embed",
+           "model": {"name": "all-MiniLM-L6-v2", "engine": "transformers"},
+           "tracking": {"mlflow_tracking_uri": f"sqlite:///{root}/mlflow.db", "experiment": "tests"}}
+    (root / "job.yaml").write_text(yaml.safe_dump(job))
+    config = ("--config", str(root / "job.yaml"))
+    lines = {
+        "calibrate": prediction_line(tokenmill("calibrate", *config, "--sizes", "4,8", "--sample-rows", "16",
+                                               "--out", str(root / "calibration"), cwd=root, cache=cache)),
+        "plan": prediction_line(tokenmill("plan", *config, "--window", "1h", "--tokens-per-s", "1000",
+                                          cwd=root, cache=cache)),
+        "run": prediction_line(tokenmill("run", *config, "--no-progress", cwd=root, cache=cache)),
+    }
+    return {"root": root, "cache": cache, "lines": lines, "job": job}
+
+
+def test_plan_calibrate_and_run_print_one_prediction_for_one_job(job_a):
+    lines = job_a["lines"]
+    assert lines["plan"] == lines["calibrate"] == lines["run"]
+    # on a machine (cache) nothing has measured yet, every fixed part says it is a default, and which
+    assert "python imports" in lines["run"] and "default: never measured here" in lines["run"]
+    assert re.search(r"engine start [\d.]+ s \(transformers: default: never measured here", lines["run"])
+
+
+def test_the_run_record_holds_prediction_beside_measurement(job_a):
+    import mlflow
+
+    mlflow.set_tracking_uri(job_a["job"]["tracking"]["mlflow_tracking_uri"])
+    (run,) = [r for r in mlflow.search_runs(experiment_names=["tests"], output_format="list")
+              if "tokenmill.stage" not in r.data.tags]  # the job's run (plan and calibrate are stage runs)
+    metrics = run.data.metrics
+    for name in ("predicted_wall_seconds", "measured_wall_seconds", "predicted_engine_seconds",
+                 "measured_engine_seconds", "predicted_fixed_seconds_to_record", "measured_fixed_seconds",
+                 "wall_prediction_error"):
+        assert name in metrics, name
+    assert metrics["predicted_wall_seconds"] == pytest.approx(float(
+        re.match(r"predicted wall ([\d,.]+) s", job_a["lines"]["run"]).group(1).replace(",", "")), abs=0.5)
+    summary = mlflow.MlflowClient().download_artifacts(run.info.run_id, "summary.md", str(job_a["root"]))
+    assert "predicted against measured, to the record" in open(summary).read()
+
+
+def test_the_run_measured_its_parts_and_the_next_prediction_reads_them(job_a, monkeypatch):
+    from tokenmill import prediction
+    from tokenmill.tasks.job import PrefectJob
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(job_a["cache"]))
+    stored = json.loads((job_a["cache"] / "run-parts.json").read_text())
+    key = prediction.fixed_key(PrefectJob.model_validate(job_a["job"]), "transformers")
+    assert {"python imports", "orchestration start", "shard overhead per 1,000 rows", "finish", "exit"} <= set(stored[key])
+    again = prediction.predict_job(PrefectJob.model_validate(job_a["job"]))
+    for name in ("python imports", "orchestration start", "engine start", "finish", "exit"):
+        assert again.part(name).source.startswith(("measured here", "transformers: measured here")), name
+
+
+def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_path):
+    """Job B (generation, another model) after job A ran here: none of A's measured figures in B's parts."""
+    from tokenmill import prediction
+    from tokenmill.tasks.job import PrefectJob
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(job_a["cache"]))
+    stored = json.loads((job_a["cache"] / "run-parts.json").read_text())
+    a_figures = {round(v, 3) for entry in stored.values() for name, values in entry.items()
+                 if not name.startswith("_") for v in values}
+    (tmp_path / "in").mkdir()
+    write_parquet(tmp_path / "in" / "docs.parquet", ["q1", "q2", "q3"], TEXTS[:3])
+    job_b = PrefectJob.model_validate({
+        "input": str(tmp_path / "in"), "output": str(tmp_path / "out"), "mode": "generate",
+        "model": {"name": "SmolLM2-135M-Instruct", "engine": "transformers"}, "generation": {"max_tokens": 16}})
+    b = prediction.predict_job(job_b)
+    assert b.engine == "transformers" and b.rows == 3
+    for part in b.parts:
+        assert round(part.seconds, 3) not in a_figures or part.seconds == 0, part
+        assert part.is_default or part.name == "engine start" and "default" in part.source, part
+    assert "default: transformers never measured here for this job" in b.part("engine").source
+    # generation counts output tokens: with no trial, 0.9 of max_tokens a row
+    assert b.tokens > 3 * 0.9 * 16
+
+
+def test_engine_seconds_follow_the_rate_curve_over_length():
+    from tokenmill.prediction import rate_at
+
+    points = [(16, 1000.0), (256, 4000.0)]
+    assert rate_at(points, 8) == 1000.0 and rate_at(points, 1024) == 4000.0  # flat beyond what was measured
+    assert rate_at(points, 64) == pytest.approx(2000.0)  # log-log between: halfway in log length
