@@ -35,11 +35,13 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
     with engine_scope():  # engines this flow starts end with it
         timeline.begin_job()
         timeline.mark("flow_started")
-        if prediction.made_for(spec) is None and spec.gate is None and spec.dispatch == "local":
-            prediction.predict_job(spec)  # called as a library, not by `tokenmill run`: predicted here
         logger = get_run_logger()
         started = time.perf_counter()
         run_id = open_run_task(spec)  # RUNNING from now on, so the MLflow UI shows the live job
+        if prediction.made_for(spec) is None and spec.gate is None and spec.dispatch == "local":
+            # called as a library, not by `tokenmill run`: predicted here, once the run is open (bad input
+            # found by the prediction's corpus sample then ends the run FAILED with its reason)
+            prediction.predict_job(spec)
         gate_report = None
         if spec.gate is not None:
             gate_report = gate_flow(spec, record=False)
