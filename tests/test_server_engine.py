@@ -1,0 +1,128 @@
+"""engine openai-server against a real `vllm serve` (CPU build, SmolLM2, --scheduling-policy priority) on
+127.0.0.1, started once for the module: a generation job end to end with the batch's priority sent and the
+in-flight cap kept, the preflight's one-line errors, and a server killed mid-job then the rerun resuming."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import mlflow
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from bench.vllm_server import VllmServer
+from tokenmill.models import prepare_smollm2
+from tokenmill.server_engine import ServerError
+from tokenmill.tasks.job import PrefectJob
+
+pytestmark = pytest.mark.engine
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
+    served = VllmServer(prepare_smollm2(), MODEL, ["--dtype", "float32", "--max-model-len", "1024",
+                                                   "--scheduling-policy", "priority", "--enforce-eager"],
+                        log, env={"VLLM_SERVER_DEV_MODE": "1"})  # dev mode: /server_info says the policy
+    served.start()
+    yield served
+    served.stop()
+
+
+def corpus(path, shards: int, rows: int):
+    """`shards` row groups of `rows` rows; the very first row's text is null (a reject)."""
+    ids = [f"r{i:03d}" for i in range(shards * rows)]
+    texts = [None] + [f"Write one short sentence about the number {i}." for i in range(1, shards * rows)]
+    pq.write_table(pa.table({"id": ids, "text": texts}), path, row_group_size=rows)
+    return path
+
+
+def server_job(tmp_path, url, shard_rows=12, **server):
+    return PrefectJob.model_validate(dict(
+        batching={"max_shard_rows": shard_rows},
+        input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), mode="generate",
+        model={"name": MODEL, "engine": "openai-server"},
+        server={"url": url, "metrics_poll_seconds": 0.5, **server},
+        generation={"max_tokens": 8, "messages": [{"role": "user", "content": "{text}"}]},
+        tracking={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "tests"}))
+
+
+def test_a_generation_job_through_the_server(server, tmp_path):
+    from tokenmill.flows.batch import batch_flow
+
+    corpus(tmp_path / "in.parquet", shards=2, rows=12)
+    # a tight SLO, so the cap is small enough to mean something: share x 150 ms = 60 ms of batch per step
+    record = batch_flow(server_job(tmp_path, server.url, slo_ms=150))
+    metrics = record.metrics
+    assert metrics["rows_in"] == 24 == metrics["rows_out"] + metrics["rows_rejected"]
+    assert metrics["rows_rejected"] == 1
+    out = pq.read_table(tmp_path / "out")
+    assert out.num_rows == 23 and all(out.column("output_text").to_pylist())
+    assert min(out.column("output_tokens").to_pylist()) >= 1
+    mlflow.set_tracking_uri(record.mlflow_tracking_uri)
+    params = mlflow.get_run(record.mlflow_run_id).data.params
+    assert params["server_scheduling"] == "priority" and params["engine"] == "openai-server"
+    assert metrics["server_requests_with_priority"] == metrics["server_requests"] > 0  # every request low priority
+    assert 1 <= metrics["server_cap"] < 23  # the SLO capped it below the shard's rows
+    assert metrics["server_peak_in_flight"] <= metrics["server_cap"]
+    assert metrics["server_overhead_ms"] > 0 and "server_item_ms" in metrics
+    assert "in-flight cap" in record.summary
+    assert "KEY" not in str(params).upper()
+
+
+def test_preflight_names_the_url_or_the_model(server, tmp_path):
+    from tokenmill.flows.batch import batch_flow
+
+    corpus(tmp_path / "in.parquet", shards=1, rows=4)
+    with pytest.raises(ServerError, match=r"http://127\.0\.0\.1:9/v1: no server answers"):
+        batch_flow(server_job(tmp_path, "http://127.0.0.1:9"))
+    assert not (tmp_path / "out" / "_shards").exists()  # before any shard
+    # as a user sees it: one line, exit status 2, no traceback after it
+    job = tmp_path / "job.yaml"
+    job.write_text(server_job(tmp_path, server.url, model="not-served").to_yaml())
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "run", "--config", str(job), "--no-progress"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PREFECT_HOME=str(tmp_path / ".prefect")))
+    assert done.returncode == 2, done.stderr[-2000:]
+    error = done.stderr.split("tokenmill: error:")[-1]
+    assert f"does not serve model 'not-served'; it serves: {MODEL}" in error and "Traceback" not in error
+    assert not (tmp_path / "out" / "_shards").exists()
+
+
+def test_a_server_killed_mid_job_stops_it_and_the_rerun_resumes(server, tmp_path):
+    from tokenmill.flows.batch import batch_flow
+
+    corpus(tmp_path / "in.parquet", shards=4, rows=8)
+    spec = server_job(tmp_path, server.url, shard_rows=8, max_retries=1, probe=False, max_in_flight=2)
+    spec = spec.model_copy(update={"generation": spec.generation.model_copy(update={"max_tokens": 48})})
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            batch_flow(spec)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            failure.append(exc)
+
+    job = threading.Thread(target=run)
+    job.start()
+    records = tmp_path / "out" / "_shards"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not (records.exists() and any(records.iterdir())):
+        time.sleep(0.05)
+    server.kill()  # the first shard is done; the server dies under the second
+    job.join(timeout=180)
+    assert not job.is_alive()
+    finished = len(list(records.iterdir()))
+    assert failure and isinstance(failure[0], ServerError) and server.url in str(failure[0]), finished
+    assert 1 <= finished < 4
+    server.start()  # the server comes back: the rerun redoes only the unfinished shards
+    record = batch_flow(spec)
+    assert record.metrics["shards_cached"] == finished
+    assert record.metrics["rows_in"] == 32 == record.metrics["rows_out"] + record.metrics["rows_rejected"]
+    assert pq.read_table(tmp_path / "out").num_rows == 31
