@@ -1,6 +1,7 @@
 """engine openai-server against a real `vllm serve` (CPU build, SmolLM2, --scheduling-policy priority) on
 127.0.0.1, started once for the module: a generation job end to end with the batch's priority sent and the
-in-flight cap kept, the preflight's one-line errors, and a server killed mid-job then the rerun resuming."""
+in-flight cap kept, the preflight's one-line errors, stop_by's drain and clean end, and a server killed
+mid-job then the rerun resuming."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from bench.vllm_server import VllmServer
 from tokenmill.models import prepare_smollm2
+from tokenmill.server_control import CallCost, cap_from_slo
 from tokenmill.server_engine import ServerError
 from tokenmill.tasks.job import PrefectJob
 
@@ -31,6 +33,7 @@ def server(tmp_path_factory):
                                                    "--scheduling-policy", "priority", "--enforce-eager"],
                         log, env={"VLLM_SERVER_DEV_MODE": "1"})  # dev mode: /server_info says the policy
     served.start()
+    served.mlflow = f"sqlite:///{log.parent}/mlflow.db"  # one tracking store for the module: opened once
     yield served
     served.stop()
 
@@ -43,14 +46,14 @@ def corpus(path, shards: int, rows: int):
     return path
 
 
-def server_job(tmp_path, url, shard_rows=12, **server):
+def server_job(tmp_path, url, shard_rows=12, mlflow_uri=None, **server):
     return PrefectJob.model_validate(dict(
         batching={"max_shard_rows": shard_rows},
         input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), mode="generate",
         model={"name": MODEL, "engine": "openai-server"},
         server={"url": url, "metrics_poll_seconds": 0.5, **server},
         generation={"max_tokens": 8, "messages": [{"role": "user", "content": "{text}"}]},
-        tracking={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "tests"}))
+        tracking={"mlflow_tracking_uri": mlflow_uri or f"sqlite:///{tmp_path}/mlflow.db", "experiment": "tests"}))
 
 
 def test_a_generation_job_through_the_server(server, tmp_path):
@@ -58,7 +61,7 @@ def test_a_generation_job_through_the_server(server, tmp_path):
 
     corpus(tmp_path / "in.parquet", shards=2, rows=12)
     # a tight SLO, so the cap is small enough to mean something: share x 150 ms = 60 ms of batch per step
-    record = batch_flow(server_job(tmp_path, server.url, slo_ms=150))
+    record = batch_flow(server_job(tmp_path, server.url, mlflow_uri=server.mlflow, slo_ms=150))
     metrics = record.metrics
     assert metrics["rows_in"] == 24 == metrics["rows_out"] + metrics["rows_rejected"]
     assert metrics["rows_rejected"] == 1
@@ -69,9 +72,9 @@ def test_a_generation_job_through_the_server(server, tmp_path):
     params = mlflow.get_run(record.mlflow_run_id).data.params
     assert params["server_scheduling"] == "priority" and params["engine"] == "openai-server"
     assert metrics["server_requests_with_priority"] == metrics["server_requests"] > 0  # every request low priority
-    assert 1 <= metrics["server_cap"] < 23  # the SLO capped it below the shard's rows
-    assert metrics["server_peak_in_flight"] <= metrics["server_cap"]
-    assert metrics["server_overhead_ms"] > 0 and "server_item_ms" in metrics
+    cost = CallCost(metrics["server_overhead_ms"] / 1000, metrics["server_item_ms"] / 1000)
+    assert metrics["server_cap"] == cap_from_slo(cost, slo_ms=150, share=0.4, ceiling=256)  # the cap from the probe
+    assert 1 <= metrics["server_peak_in_flight"] <= metrics["server_cap"]  # and never above it
     assert "in-flight cap" in record.summary
     assert "KEY" not in str(params).upper()
 
@@ -95,12 +98,51 @@ def test_preflight_names_the_url_or_the_model(server, tmp_path):
     assert not (tmp_path / "out" / "_shards").exists()
 
 
-def test_a_server_killed_mid_job_stops_it_and_the_rerun_resumes(server, tmp_path):
+def test_the_engine_stops_sending_before_stop_by_and_drains(server, tmp_path):
+    from datetime import datetime, timedelta, timezone
+
+    from tokenmill.engines import discard_engine, get_engine
+    from tokenmill.models import load_tokenizer, resolve_model
+    from tokenmill.server_engine import StopByReached
+
+    path = resolve_model(MODEL)
+    ids = load_tokenizer(path)([f"Tell a long story about the number {i}." for i in range(400)])["input_ids"]
+    stop_by = datetime.now(timezone.utc) + timedelta(seconds=8)
+    spec = server_job(tmp_path, server.url, probe=False, max_in_flight=2).model_copy(
+        update={"stop_by": stop_by.isoformat()})
+    engine = get_engine(path, spec)
+    try:
+        assert datetime.now(timezone.utc) < stop_by - timedelta(seconds=2)  # started with time to run
+        with pytest.raises(StopByReached, match="stop_by"):
+            engine.generate(ids, spec.generation.model_copy(update={"max_tokens": 64, "min_tokens": 64}))
+        assert datetime.now(timezone.utc) < stop_by + timedelta(seconds=2)  # drained about when it said
+        assert 0 < engine.stats.requests < 400 and engine._in_flight == 0  # some sent, the rest left, none hanging
+    finally:
+        discard_engine(path, spec)
+
+
+
+def test_stop_by_ends_cleanly_a_killed_server_stops_the_job_and_the_rerun_resumes(server, tmp_path):
+    """Three runs of one job: the first stops cleanly at stop_by; the second loses its server mid-job and
+    stops with its finished shards kept; the third, the server back, redoes only the unfinished shards."""
+    from datetime import datetime, timedelta, timezone
+
     from tokenmill.flows.batch import batch_flow
 
-    corpus(tmp_path / "in.parquet", shards=4, rows=8)
-    spec = server_job(tmp_path, server.url, shard_rows=8, max_retries=1, probe=False, max_in_flight=2)
-    spec = spec.model_copy(update={"generation": spec.generation.model_copy(update={"max_tokens": 48})})
+    corpus(tmp_path / "in.parquet", shards=6, rows=8)
+    spec = server_job(tmp_path, server.url, shard_rows=8, mlflow_uri=server.mlflow, max_retries=1, probe=False,
+                      max_in_flight=2)
+    spec = spec.model_copy(update={"generation": spec.generation.model_copy(update={"max_tokens": 48,
+                                                                                    "min_tokens": 48})})
+    records = tmp_path / "out" / "_shards"
+
+    stop_by = datetime.now(timezone.utc) + timedelta(seconds=8)  # a warm flow starts its shards in ~3 s
+    record = batch_flow(spec.model_copy(update={"stop_by": stop_by.isoformat()}))  # ends cleanly: no raise
+    assert datetime.now(timezone.utc) < stop_by + timedelta(seconds=5)  # drained by then, not much after
+    stopped = len(list(records.iterdir())) if records.exists() else 0
+    assert record.metrics["rows_in"] < 48 and stopped < 6
+    assert record.metrics["rows_in"] == record.metrics["rows_out"] + record.metrics["rows_rejected"]
+
     failure: list[BaseException] = []
 
     def run():
@@ -111,18 +153,17 @@ def test_a_server_killed_mid_job_stops_it_and_the_rerun_resumes(server, tmp_path
 
     job = threading.Thread(target=run)
     job.start()
-    records = tmp_path / "out" / "_shards"
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not (records.exists() and any(records.iterdir())):
+    while time.monotonic() < deadline and len(list(records.iterdir()) if records.exists() else []) <= stopped:
         time.sleep(0.05)
-    server.kill()  # the first shard is done; the server dies under the second
+    server.kill()  # one more shard is done; the server dies under the next
     job.join(timeout=180)
     assert not job.is_alive()
     finished = len(list(records.iterdir()))
     assert failure and isinstance(failure[0], ServerError) and server.url in str(failure[0]), finished
-    assert 1 <= finished < 4
+    assert stopped < finished < 6
     server.start()  # the server comes back: the rerun redoes only the unfinished shards
     record = batch_flow(spec)
     assert record.metrics["shards_cached"] == finished
-    assert record.metrics["rows_in"] == 32 == record.metrics["rows_out"] + record.metrics["rows_rejected"]
-    assert pq.read_table(tmp_path / "out").num_rows == 31
+    assert record.metrics["rows_in"] == 48 == record.metrics["rows_out"] + record.metrics["rows_rejected"]
+    assert pq.read_table(tmp_path / "out").num_rows == 47

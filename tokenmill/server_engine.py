@@ -38,7 +38,8 @@ from tokenmill.spec import GenerationParams, JobSpec
 
 log = logging.getLogger(__name__)
 
-PROBE_SIZES = (1, 2, 4, 8)  # items at once in the probe's rounds: o and c are fitted over them
+PROBE_SIZES = (1, 2, 4, 8, 16)  # items at once in the probe's rounds: o and c are fitted over them
+PROBE_REPEATS = 2
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 FIRST_BACKOFF_S = 0.5
 # the OpenAI completions fields a SamplingParams keyword goes under as is; the rest go in extra_body (vLLM's)
@@ -223,12 +224,15 @@ class ServerEngine(Engine):
     async def _embed_one(self, payload: dict[str, Any]) -> np.ndarray:
         answer = await self._with_retries(lambda: self.client.embeddings.create(
             model=self.model, input=payload["input"], encoding_format="float", extra_body=self._extra({})))
+        self.stats.tokens += int(getattr(answer.usage, "prompt_tokens", 0) or 0) if answer.usage else 0
         return np.asarray(answer.data[0].embedding, dtype=np.float32)
 
     async def _complete_one(self, payload: dict[str, Any]) -> Generation:
         body = dict(payload)
         body["extra_body"] = self._extra(body.get("extra_body", {}))
         answer = await self._with_retries(lambda: self.client.completions.create(model=self.model, **body))
+        if answer.usage is not None:
+            self.stats.tokens += int(answer.usage.prompt_tokens) + int(answer.usage.completion_tokens)
         return completion_generation(answer)
 
     async def _with_retries(self, send: Callable[[], Any]):
@@ -341,7 +345,8 @@ class ServerEngine(Engine):
             self._poller = asyncio.ensure_future(self._poll_metrics())
 
     async def _probe(self, payloads: list[dict[str, Any]], send_one) -> CallCost:
-        """Rounds of 1, 2, 4, 8 concurrent one-token requests (the job's first rows): seconds per round."""
+        """Rounds of 1, 2, 4, 8, 16 concurrent one-token requests (the job's first rows), each size twice and
+        its faster round kept (a busy server's noise only ever adds time); no size past the budget."""
         probe_payloads = [_one_token(p) for p in payloads[: max(PROBE_SIZES)]]
         points: list[tuple[int, float]] = []
         budget_s = self.server.share * self.server.slo_ms / 1000.0
@@ -350,9 +355,12 @@ class ServerEngine(Engine):
             if len(points) >= 2 and (size > len(probe_payloads) or points[-1][1] > budget_s):
                 break
             chosen = [probe_payloads[i % len(probe_payloads)] for i in range(size)]
-            started = time.perf_counter()
-            await asyncio.gather(*(send_one(p) for p in chosen))
-            points.append((size, time.perf_counter() - started))
+            rounds = []
+            for _ in range(PROBE_REPEATS):
+                started = time.perf_counter()
+                await asyncio.gather(*(send_one(p) for p in chosen))
+                rounds.append(time.perf_counter() - started)
+            points.append((size, min(rounds)))
         return fit_call_cost(points)
 
     async def _poll_metrics(self) -> None:
@@ -392,6 +400,7 @@ class ServerStats:
         self.with_priority = 0  # requests sent with the batch's priority
         self.peak_in_flight = 0  # after the probe: the most requests in flight at once
         self.busy_s = 0.0
+        self.tokens = 0  # prompt and completion tokens the server reported (the probe's too)
         self.latencies: deque[float] = deque(maxlen=512)
 
     def p90_latency(self) -> float:

@@ -46,7 +46,7 @@ class ServerSpec(BaseModel):
                          "measured by a short probe (per-call overhead, per-item cost).")
     max_in_flight: int | None = Field(None, ge=1, description="Most requests in flight, whatever the probe "
                                       "says. Empty: batching.max_batch_size.")
-    probe: bool = Field(True, description="Measure o and c at the start (about 8 short requests); false: the "
+    probe: bool = Field(True, description="Measure o and c at the start (at most 62 one-token requests); false: the "
                         "cap is max_in_flight (or batching.max_batch_size).")
     metrics_poll_seconds: float = Field(
         1.0, gt=0, description="How often the server's /metrics is read (requests waiting and running, time "
