@@ -99,3 +99,13 @@ def test_sampling_goes_to_openai_fields_and_vllm_extras():
     body = completion_body([1, 2], {"max_tokens": 4, "temperature": 0.0, "top_k": 5, "seed": None, "logprobs": 2})
     assert body["prompt"] == [1, 2] and body["max_tokens"] == 4 and body["logprobs"] == 2
     assert body["extra_body"] == {"top_k": 5, "return_tokens_as_token_ids": True}
+
+
+def test_marginal_cost_when_the_gpus_are_sunk():
+    from tokenmill.server_record import marginal_usd_per_1m
+
+    metrics = {"input_tokens": 600_000.0, "output_tokens": 400_000.0, "wall_seconds": 7200.0}
+    assert marginal_usd_per_1m(JobSpec(), metrics) is None  # rented: usd_per_1m_tokens is the marginal cost
+    sunk = JobSpec(pricing={"sunk": True, "usd_per_gpu_hour_marginal": 0.05, "gpu_count": 2})
+    assert marginal_usd_per_1m(sunk, metrics) == pytest.approx(2 * 2 * 0.05)  # 4 GPU-hours at $0.05 for 1M tokens
+    assert marginal_usd_per_1m(JobSpec(pricing={"sunk": True}), metrics) == 0.0
