@@ -19,9 +19,13 @@ def test_the_fit_recovers_overhead_and_per_item_cost():
         fit_call_cost([(4, 0.1), (4, 0.2)])
 
 
-def test_noise_never_makes_a_negative_cost():
+def test_a_flat_or_falling_probe_charges_each_item_its_whole_round():
+    # a probe on a busy server: bigger rounds no slower. c = 0 would open the cap to the ceiling
     cost = fit_call_cost([(1, 0.05), (2, 0.04), (4, 0.03)])
-    assert cost.per_item_s == 0.0 and cost.overhead_s >= 0.0
+    assert cost.overhead_s == 0.0 and cost.per_item_s == pytest.approx(0.0075)  # 30 ms / 4 items
+    assert cap_from_slo(cost, slo_ms=100, share=0.4, ceiling=256) == 5
+    flat = fit_call_cost([(1, 0.09), (2, 0.09), (4, 0.09), (8, 0.09)])
+    assert cap_from_slo(flat, slo_ms=500, share=0.4, ceiling=256) == 17  # 200 ms / (90 / 8 ms)
 
 
 def test_the_cap_is_the_largest_batch_within_share_of_the_slo():

@@ -30,8 +30,12 @@ class CallCost:
 
 
 def fit_call_cost(points: list[tuple[int, float]]) -> CallCost:
-    """Least squares of seconds on items over the probe's rounds (at least two sizes); c is never below 0
-    and o never below 0 (noise on a busy server can tilt a short probe either way)."""
+    """Least squares of seconds on items over the probe's rounds (at least two sizes), o never below 0.
+
+    A flat or falling fit (a probe on a server busy with other tenants: bigger rounds came out no slower)
+    says nothing about c, and reading it as c = 0 would open the cap to its ceiling exactly when live traffic
+    is there. Then each item is charged the whole of its round: o = 0 and c = the smallest seconds per item
+    any round took (o >= 0 makes that an upper bound of c, so the cap errs towards the live traffic)."""
     sizes = {b for b, _ in points}
     if len(sizes) < 2:
         raise ValueError(f"a cost fit needs rounds of at least two sizes, got {sorted(sizes)}")
@@ -40,9 +44,10 @@ def fit_call_cost(points: list[tuple[int, float]]) -> CallCost:
     mean_t = sum(t for _, t in points) / n
     spread = sum((b - mean_b) ** 2 for b, _ in points)
     slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / spread
-    per_item = max(slope, 0.0)
-    overhead = max(mean_t - per_item * mean_b, 0.0)
-    return CallCost(overhead, per_item, tuple(points))
+    if slope <= 0:
+        return CallCost(0.0, min(t / b for b, t in points), tuple(points))
+    overhead = max(mean_t - slope * mean_b, 0.0)
+    return CallCost(overhead, slope, tuple(points))
 
 
 def cap_from_slo(cost: CallCost, slo_ms: float, share: float, ceiling: int) -> int:
