@@ -126,6 +126,8 @@ def test_the_gate_passes_openvino_int8_against_float32_and_the_job_runs_it(
     assert "[int8] (openvino): pass, runs the corpus" in record.summary
     table = pq.read_table(tmp_path / "out")
     assert table.num_rows == 160 and len(set(table.column("id").to_pylist())) == 160  # rows in = rows out
+    # the gate's 128 sample rows, computed on the chosen candidate, are not computed again by the corpus run
+    assert metrics["rows_from_cache"] == 128 and metrics["engine_tokens"] < metrics["input_tokens"]
     assert len(table.column("embedding")[0].as_py()) == 384
 
 

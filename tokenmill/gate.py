@@ -10,6 +10,7 @@ each, the value against its threshold.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -30,10 +31,13 @@ from tokenmill.engines import discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
 from tokenmill.generation import OutputChecker, check_response_format, parsed_agreement
 from tokenmill.models import resolve_model
+from tokenmill.row_cache import keep_sample_rows
 from tokenmill.runner import run_batches
 from tokenmill.sampling import corpus_sample
 from tokenmill.spec import GateSpec, JobSpec, ModelSpec
 from tokenmill.versions import library_versions
+
+log = logging.getLogger(__name__)
 
 # What a sound quantization (or the same model on another engine or dtype) passes and a
 # damaged model fails. On 128 rows of the sample corpus, MiniLM with int8 per-channel weights
@@ -254,9 +258,11 @@ class SampleRun:
     tokens: int
 
 
-def run_sample(job: JobSpec, texts: list[str], engine: Engine | None = None) -> SampleRun:
+def run_sample(job: JobSpec, texts: list[str], engine: Engine | None = None, keep: bool = False) -> SampleRun:
     """The sample through the job's engine, timed after one untimed warm-up call (first-call
-    allocations and kernel choices), as the engine trial times it: a rate the corpus will see."""
+    allocations and kernel choices), as the engine trial times it: a rate the corpus will see. keep: the
+    texts are the corpus's own rows; their vectors go to the job's row cache (embed), so the corpus run
+    does not compute them again on whichever side runs it."""
     model_path = resolve_model(job.model_name)
     encoded = encode_rows(texts, job, model_path)
     lengths = [len(ids) for ids in encoded.token_ids]
@@ -271,6 +277,10 @@ def run_sample(job: JobSpec, texts: list[str], engine: Engine | None = None) -> 
     seconds = time.perf_counter() - started
     outputs = restore_order(batches, results)
     tokens = sum(lengths) + (sum(g.output_tokens for g in outputs) if job.mode == "generate" else 0)
+    if job.mode == "embed" and keep:  # the corpus's own rows, as its run computes them: not computed twice
+        kept = keep_sample_rows(job, model_path, job.model.engine, encoded.token_ids, outputs, seconds)
+        if kept:
+            log.info("row cache: kept the gate's %d sample rows on %s for the corpus run", kept, _label(job))
     return SampleRun(outputs, encoded.token_ids, seconds, tokens)
 
 
@@ -352,7 +362,8 @@ def measure(spec: JobSpec, texts: list[str], source: str) -> GateReport:
     # `engine: auto` is resolved just before each side runs (its trials start engines too), so the
     # report names the engine that ran
     reference_job = resolve(jobs[0])
-    reference = run_sample(reference_job, texts)
+    keep = gate.eval_file is None  # the sample is the corpus's own rows
+    reference = run_sample(reference_job, texts, keep=keep)
     lengths = length_class(sum(map(len, reference.token_ids)) / max(len(reference.token_ids), 1))
     rates = _read_verdicts().get("rates", {})
     previous, verdicts = reference_job, []
@@ -365,7 +376,7 @@ def measure(spec: JobSpec, texts: list[str], source: str) -> GateReport:
         if engine_key(previous) != engine_key(job):
             discard_engine(resolve_model(previous.model_name), previous)
         previous = resolve(job)
-        candidate = run_sample(previous, texts)
+        candidate = run_sample(previous, texts, keep=keep)
         values = _agreement(spec, reference, candidate, resolve_model(reference_job.model_name))
         metrics = [GateMetric(name=name, value=values[name], threshold=limit, passed=values[name] >= limit)
                    for name, limit in thresholds.items()]
