@@ -308,3 +308,11 @@ def test_the_row_cache_report_gives_the_short_re_runs_median_wall_their_range_an
     assert "| first run | 100.0 | 8.0 |" in text and "| re-run, 5% of rows edited: wall time | 21.0% | ≤ 25% | yes |" in text
     assert "3.0 to 9.0 (median 6.8) on" in text and "the edit, append and nothing-changed re-runs 3 rounds each" in text
     assert "10.0 s (without the row cache 9.5 s)" in text
+    assert "against the faster of the two (100.0 s) the edit and append re-runs are 21.0% and 22.0%" in text
+    assert row_cache.render(results, 7000, machine={**harness_machine(), "date": "then"}).count("**Date:** then") == 1
+
+
+def harness_machine() -> dict:
+    from bench import harness
+
+    return harness.machine()
