@@ -283,7 +283,8 @@ def render(results: dict[str, tuple[Variant, Run]], rows: int, loads: dict[str, 
         f"{round(break_even / m('first', 'engine_seconds') * rows, -2):,.0f} rows of this corpus on this machine (an "
         "extrapolation: the floor grows a little with the rows read, tokenized and looked up).",
         "",
-        *where_the_seconds_went(wall("unchanged"), wall("unchanged-off"), wall("edited"), wall("appended")),
+        *where_the_seconds_went(wall("unchanged"), wall("unchanged-off"), wall("edited"), wall("appended"),
+                                [r.metrics.get("fixed/orchestrator_api_seconds", 0.0) for _, r in results.values()]),
     ]
     return "\n".join(lines)
 
@@ -313,8 +314,11 @@ def load_notes(loads: dict[str, list[float]]) -> list[str]:
             f"{middle:.1f}) on {cores} logical cores: {verdict}."]
 
 
-def where_the_seconds_went(unchanged: float, unchanged_off: float, edited: float, appended: float) -> list[str]:
-    """What profiles of whole runs found (issue 31's wall goal): prose with this run's figures."""
+def where_the_seconds_went(unchanged: float, unchanged_off: float, edited: float, appended: float,
+                           api: list[float]) -> list[str]:
+    """What profiles of whole runs found (issue 31's wall goal): prose with this run's figures (`api`: each
+    run's fixed/orchestrator_api_seconds, 0 where not measured)."""
+    api = [x for x in api if x > 0] or [0.0]
     return [
         "**Where a re-run's seconds went** (pyinstrument over whole `tokenmill run` processes, first run, "
         "re-runs and nothing-changed runs with and without the row cache compared). A nothing-changed re-run "
@@ -323,11 +327,17 @@ def where_the_seconds_went(unchanged: float, unchanged_off: float, edited: float
         f"work (medians here {unchanged:.1f} s and {unchanged_off:.1f} s; the earlier report's 15.0 s against 8.4 s "
         "was one round each on a loaded machine). The seconds a short run spends outside its "
         "shards were Prefect's ephemeral API start (a "
-        "server process: 5 to 10 s here), which the main thread waited out idle, and then, inside the flow, "
+        "server process: 5 to 10 s by the earlier report's timelines), which the main thread waited out idle, "
+        "and then, inside the flow, "
         "MLflow's import and its SQLite store (2 to 5 s on this machine) and pyplot for the record's chart "
         "(0.5 s). Since tasks/warm.py `warm_tracking`, the main thread opens the store and imports pyplot while "
         "the API starts (MLflow keeps the store per URI, so the flow's client finds it open): in profiled "
-        "3,000-row edit re-runs, the flow took 2.3 to 3.1 s instead of 6.0 to 7.8 s. The append "
+        "3,000-row edit re-runs, the flow took 2.3 to 3.1 s instead of 6.0 to 7.8 s. The API's start is now "
+        f"the critical path, and it is slower here ({min(api):.1f} to {max(api):.1f} s by these runs' timelines): "
+        "the load is higher than the earlier report's, and the main thread's work now shares the two cores "
+        "with the API's process instead of waiting (in interleaved 3,000-row edit re-runs with and without it, "
+        "the API took 6.8 to 8.3 s without and 6.7 to 11.5 s with; the whole process 16.9 to 20.0 s without and "
+        "12.7 to 17.6 s with). The append "
         "re-run runs every shard of the file again "
         "(the file's size changed, so every shard's fingerprint did; the shard stays the unit of resume), and one "
         "shard more than the edit re-run: each 1,000-row shard the cache answers whole is read, tokenized, "
