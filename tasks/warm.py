@@ -170,6 +170,26 @@ def finish_api_start(api: EphemeralApi | None) -> None:
     refresh()  # every thread's Prefect client now uses it
 
 
+def warm_tracking(spec: JobSpec) -> None:
+    """What the flow's first and last steps import and open, made ready while the API starts: MLflow
+    (its import, and the job's tracking store: a SQLite store checks its schema when it opens, 2 to 5 s
+    together on a loaded 2-core machine) and matplotlib's pyplot (the record's padding chart). The
+    main thread would otherwise wait on the API's health check with nothing to do, then pay for
+    these inside the flow. MLflow keeps the store per tracking URI, so the flow's client finds it
+    open. Failures are left for the flow to meet and report."""
+    try:
+        from tokenmill.tracking import tracking_client
+
+        tracking_client(spec)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        log.debug("warming MLflow and matplotlib skipped: %s", exc, exc_info=True)
+    timeline.mark("tracking_warm")
+
+
 def nothing_left_to_run(spec: JobSpec, shards) -> bool:
     """Whether the output's manifest already covers every one of these shards (a rerun of a
     finished job): then no engine is needed, and starting one early would be pure cost."""

@@ -418,7 +418,8 @@ def read_output(tmp_path, output: str) -> pa.Table:
     return pa.concat_tables(pq.read_table(p) for p in sorted((tmp_path / output).glob("*.parquet")))
 
 
-def test_a_rerun_after_editing_5_percent_of_rows_computes_only_those_and_outputs_the_same(tmp_path, prefect_api):
+def test_a_rerun_after_editing_5_percent_of_rows_computes_only_those_and_outputs_the_same(tmp_path, prefect_api,
+                                                                                          monkeypatch):
     from tokenmill.flows.batch import batch_flow
 
     corpus = tmp_path / "corpus"
@@ -447,8 +448,10 @@ def test_a_rerun_after_editing_5_percent_of_rows_computes_only_those_and_outputs
     assert without.metrics["engine_tokens"] == without.metrics["input_tokens"] and "row cache: off" in without.summary
     assert with_cache.equals(read_output(tmp_path, "no-cache"))  # the same rows, bit for bit
 
-    third = batch_flow(flow_spec(tmp_path, corpus, "out"))  # nothing changed: every shard from the shard cache
-    assert third.metrics["shards_cached"] == 2 and third.metrics["engine_tokens"] == 0
+    opened = []  # nothing changed: every shard from the shard cache, and the row cache never opened
+    monkeypatch.setattr(RowCache, "_index", lambda self: opened.append(self.folder) or pytest.fail("opened"))
+    third = batch_flow(flow_spec(tmp_path, corpus, "out"))
+    assert third.metrics["shards_cached"] == 2 and third.metrics["engine_tokens"] == 0 and not opened
 
 
 def test_duplicates_in_a_shard_are_computed_once(tmp_path, prefect_api):
