@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 # sample uses gate.sample_seed, 0 by default: the calibration rows are not the rows the gate judges), up to
 # CALIBRATION_ROWS rows and CALIBRATION_TOKENS tokens, never fewer than MIN_CALIBRATION_ROWS. NNCF runs the
 # float32 model over them twice (SmoothQuant's statistics, then the ranges), so their tokens are the first
-# run's cost: 256 long rows (~65k tokens) took 30 s here, 64 (~16k) 9 s. Quality on the gate's sample, against
+# run's cost, beside NNCF's graph analysis and compiles (~8 s, fixed). Measured on a 2-core machine other
+# work loaded (load 3 to 9, so seconds swung 2x): 256 long rows (~65k tokens) 30-44 s, 64 (~16k) 16-26 s. Quality on the gate's sample, against
 # float32 (cosine_mean / top-10; bench corpora): long 256 rows 0.9958 / 0.938, 64 rows 0.9970 / 0.943,
 # 32 rows 0.9966 / 0.942; mixed 256 rows 0.9973 / 0.944, 64 rows 0.9962 / 0.937; short 256 rows
 # 0.9973 / 0.951, 64 rows 0.9968 / 0.946, 32 rows 0.9948 / 0.931. Without SmoothQuant, long fell to
