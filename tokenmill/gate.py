@@ -24,12 +24,14 @@ from tokenmill.economics import RunCost
 from tokenmill.encoding import encode_rows
 from tokenmill.digest import stable_digest
 from tokenmill.device import device_label
-from tokenmill.engine_choice import TRIAL_LIBRARIES, cache_dir, length_class, resolve
+from tokenmill.engine_choice import TRIAL_LIBRARIES, cache_dir, length_class
 from tokenmill.engine_protocol import Engine, token_budget
 from tokenmill.engines import discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
 from tokenmill.generation import OutputChecker, check_response_format, parsed_agreement
 from tokenmill.models import resolve_model
+from tokenmill.resolution import resolve_job
+from tokenmill.resolved_job import ResolvedJob
 from tokenmill.runner import run_batches
 from tokenmill.sampling import corpus_sample
 from tokenmill.spec import GateSpec, JobSpec, ModelSpec
@@ -254,13 +256,13 @@ class SampleRun:
     tokens: int
 
 
-def run_sample(job: JobSpec, texts: list[str], engine: Engine | None = None) -> SampleRun:
+def run_sample(resolved: ResolvedJob, texts: list[str], engine: Engine | None = None) -> SampleRun:
     """The sample through the job's engine, timed after one untimed warm-up call (first-call
     allocations and kernel choices), as the engine trial times it: a rate the corpus will see."""
-    model_path = resolve_model(job.model_name)
-    encoded = encode_rows(texts, job, model_path)
+    job = resolved.spec
+    encoded = encode_rows(texts, job, resolved.model_path)
     lengths = [len(ids) for ids in encoded.token_ids]
-    engine = engine or get_engine(model_path, job)
+    engine = engine or get_engine(resolved.model_path, job)
     batches = plan_batches(lengths, token_budget(job, engine), job.batching.max_batch_size,
                            job.batching.length_tolerance)
     if batches:
@@ -351,7 +353,7 @@ def measure(spec: JobSpec, texts: list[str], source: str) -> GateReport:
     jobs = [_gate_job(spec, model) for model in [gate.reference, *candidate_models(spec)]]
     # `engine: auto` is resolved just before each side runs (its trials start engines too), so the
     # report names the engine that ran
-    reference_job = resolve(jobs[0])
+    reference_job = resolve_job(jobs[0])
     reference = run_sample(reference_job, texts)
     lengths = length_class(sum(map(len, reference.token_ids)) / max(len(reference.token_ids), 1))
     rates = _read_verdicts().get("rates", {})
@@ -362,17 +364,17 @@ def measure(spec: JobSpec, texts: list[str], source: str) -> GateReport:
         if known and fastest and known * (1 + COST_TIE_MARGIN) < fastest:  # it could not be chosen: spare it
             verdicts.append(_not_run(job, known, fastest, spec))
             continue
-        if engine_key(previous) != engine_key(job):
-            discard_engine(resolve_model(previous.model_name), previous)
-        previous = resolve(job)
+        if engine_key(previous.spec) != engine_key(job):
+            discard_engine(previous.model_path, previous.spec)
+        previous = resolve_job(job)
         candidate = run_sample(previous, texts)
-        values = _agreement(spec, reference, candidate, resolve_model(reference_job.model_name))
+        values = _agreement(spec, reference, candidate, reference_job.model_path)
         metrics = [GateMetric(name=name, value=values[name], threshold=limit, passed=values[name] >= limit)
                    for name, limit in thresholds.items()]
-        verdicts.append(CandidateVerdict(cost=_cost(previous, candidate, spec), metrics=metrics,
+        verdicts.append(CandidateVerdict(cost=_cost(previous.spec, candidate, spec), metrics=metrics,
                                          passed=all(m.passed for m in metrics)))
         _note_rate(job, lengths, verdicts[-1].cost.tokens_per_s)
-    return GateReport.judge(spec, source, len(texts), _cost(reference_job, reference, spec), verdicts)
+    return GateReport.judge(spec, source, len(texts), _cost(reference_job.spec, reference, spec), verdicts)
 
 
 def _rate_key(job: JobSpec) -> str:
@@ -483,7 +485,7 @@ def text_similarity(first: list[str], second: list[str]) -> np.ndarray:
     """Cosine of the two texts' MiniLM embeddings, row by row (an empty pair counts as equal)."""
     job = JobSpec(mode="embed", model=ModelSpec(name=SIMILARITY_MODEL, engine="transformers"))
     both = [t if t.strip() else "(empty)" for t in first + second]
-    vectors = np.stack(run_sample(job, both).outputs)
+    vectors = np.stack(run_sample(resolve_job(job), both).outputs)
     a, b = _unit(vectors[: len(first)]), _unit(vectors[len(first):])
     return (a * b).sum(axis=1)
 
