@@ -1,5 +1,5 @@
 """resolve_job: the job resolved once, at the top of every entry point (the batch flow's shard task, the
-shard worker, the gate, calibration, the index's search, the plan, the early engine start).
+shard worker, the gate, calibration, the index's search, the early engine start).
 
 Everything below takes the ResolvedJob and never resolves, chooses or sniffs again: the engine
 (`engine: auto` chosen here, by tokenmill.engine_choice) and its streams, the input's format and the
@@ -17,21 +17,17 @@ from tokenmill.resolved_job import ResolvedJob
 from tokenmill.shards import input_format
 from tokenmill.spec import JobSpec
 
-_resolved: dict[str, ResolvedJob] = {}  # per job spec, for this process: every shard of a job resolves alike
+# the input's format, read once per input and process (every shard of a job asks; on object storage
+# each asking is a listing and a read). The engine is not kept here: engine_choice keeps its choice, and
+# a later choice for more rows (the flow's, after an early engine start's) is the one that holds.
+_formats: dict[str, str | None] = {}
 
 
 def resolve_job(spec: JobSpec) -> ResolvedJob:
-    """The job as it runs here (see the module's docstring); once per job spec and process."""
-    key = stable_digest([type(spec).__name__, spec.model_dump(mode="json")], 32)
-    if key not in _resolved:
-        _resolved[key] = _resolve(spec)
-    return _resolved[key]
-
-
-def _resolve(spec: JobSpec) -> ResolvedJob:
-    found = input_format(spec.input, spec.format, spec.storage_options)
+    """The job as it runs here (see the module's docstring)."""
+    found = _input_format(spec)
     pipeline = "openai-batch" if found == "openai-batch" else "rows"
-    resolved = resolve(spec)  # engine: auto, chosen (cached trials, or a trial now)
+    resolved = resolve(spec)  # engine: auto, chosen (once per process: cached trials, or a trial now)
     if pipeline == "openai-batch" and resolved.mode == "generate":
         resolved = openai_batch_engine(resolved)
     model_path = resolve_model(resolved.model_name)
@@ -39,6 +35,14 @@ def _resolve(spec: JobSpec) -> ResolvedJob:
                        mode=resolved.mode, input_format=found, pipeline=pipeline, model_path=model_path,
                        token_budget=resolved.batching.token_budget,
                        context_limit=context_limit(resolved, model_path))
+
+
+def _input_format(spec: JobSpec) -> str | None:
+    """None (no input yet, or unreadable) is not kept: the input may be there when asked again."""
+    key = stable_digest([spec.input, spec.format, spec.storage_options], 32)
+    if _formats.get(key) is None:
+        _formats[key] = input_format(spec.input, spec.format, spec.storage_options)
+    return _formats[key]
 
 
 def openai_batch_engine(spec: JobSpec) -> JobSpec:
