@@ -220,12 +220,11 @@ def resolve(spec: JobSpec) -> JobSpec:
     if spec.model.engine != "auto":
         return spec
     choice = chosen_engine(spec) or choose_engine(spec)
-    resolved = with_engine(spec, choice.engine)
+    chosen: dict[str, Any] = {"engine": choice.engine}
     trial = choice.trial(choice.engine)
     if trial is not None and trial.tokens_per_s_by_streams and not spec.model.cpu_streams:
-        resolved = resolved.model_copy(update={"model": resolved.model.model_copy(
-            update={"cpu_streams": trial.streams})})
-    return resolved
+        chosen["cpu_streams"] = trial.streams
+    return spec.model_copy(update={"model": spec.model.model_copy(update=chosen)})  # the one rewrite auto makes
 
 
 def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = False) -> EngineChoice:
