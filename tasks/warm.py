@@ -206,10 +206,10 @@ def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
         return
     if getattr(spec, "storage_block", None):  # its credentials come through the API: wait for the flow
         return
-    from tokenmill.engine_choice import choose_engine, resolve, trials_cached
+    from tokenmill.engine_choice import choose_engine, trials_cached
     from tokenmill.engines import get_engine
-    from tokenmill.models import resolve_model
     from tokenmill.planning import estimate_rows
+    from tokenmill.resolution import resolve_job
     from tokenmill.shards import discover_shards_for
 
     try:
@@ -220,6 +220,7 @@ def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
             if not trials_cached(spec):  # measured on a machine that is not busy starting the API
                 finish_api_start(api)
             choose_engine(spec, job_rows=estimate_rows(spec, shards))
-        get_engine(resolve_model(spec.model_name), resolve(spec))
+        job = resolve_job(spec)  # as the shards will resolve it: the engine they ask for is this one
+        get_engine(job.model_path, job.spec)
     except Exception as exc:
         log.debug("early engine start skipped: %s", exc, exc_info=True)
