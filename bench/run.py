@@ -50,6 +50,7 @@ from tokenmill.sample_corpus import write_sample_corpus  # noqa: E402
 from tokenmill.shards import ShardSpec, discover_shards  # noqa: E402
 from tokenmill.spec import JobSpec, ModelSpec  # noqa: E402
 from tokenmill.vllm_engine import VLLMEngine  # noqa: E402
+from tokenmill.resolution import resolve_job  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -134,7 +135,7 @@ def tokenmill_variant(name: str, corpus: EmbedCorpus, job: JobSpec, engine: Engi
     """tokenmill end to end: every shard read, validated, tokenized, bucketed, embedded and written."""
     def go() -> None:
         for shard in corpus.shards:
-            run_shard(shard, job, engine=engine)
+            run_shard(shard, resolve_job(job), engine=engine)
     return Variant(name, go, corpus.tokens, len(corpus.texts))
 
 

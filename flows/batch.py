@@ -17,7 +17,7 @@ from tokenmill.shards import ShardSpec
 from tokenmill.tasks.engine import choose_engine_task
 from tokenmill.tasks.index import build_index_task
 from tokenmill.tasks.job import PrefectJob
-from tokenmill.tasks.record import JobRecord, end_run_hook, open_run_task, record_run_task
+from tokenmill.tasks.record import JobRecord, end_run_hook, open_run_task, predict_task, record_run_task
 from tokenmill.tasks.server import prepare_server_job
 from tokenmill.tasks.shards import (
     discover_shards_task,
@@ -42,7 +42,7 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
         if prediction.made_for(spec) is None and spec.gate is None and spec.dispatch == "local":
             # called as a library, not by `tokenmill run`: predicted here, once the run is open (bad input
             # found by the prediction's corpus sample then ends the run FAILED with its reason)
-            prediction.predict_job(spec)
+            predict_task(spec)
         gate_report = None
         if spec.gate is not None:
             gate_report = gate_flow(spec, record=False)

@@ -20,6 +20,8 @@ from tokenmill.report import run_metrics, summary_markdown
 from tokenmill.results import ShardResult
 from tokenmill.server_record import sharing_record
 from tokenmill.spec import JobSpec
+from tokenmill.tasks.logs import with_core_logs
+from tokenmill.tasks.storage import with_storage_secrets
 from tokenmill.tracking import (
     end_job_run,
     job_params,
@@ -91,6 +93,15 @@ def open_run_task(spec: JobSpec) -> str:
     get_run_logger().info("MLflow run %s in experiment %s at %s", run_id, spec.tracking.experiment,
                           resolve_tracking_uri(spec))
     return run_id
+
+
+@task(name="predict", cache_policy=NONE)
+@with_core_logs
+def predict_task(spec: JobSpec) -> None:
+    """The job's prediction where a library call (not `tokenmill run`) starts the flow: a task, so what its
+    corpus sample logs (a storage retry, a bad file) reaches the run's log as the shards' reads do; it reads
+    the corpus with the job's storage block, as they do."""
+    get_run_logger().info("%s", prediction.predict_job(with_storage_secrets(spec)).describe())
 
 
 def end_run_hook(flow, flow_run, state) -> None:

@@ -15,7 +15,6 @@ from prefect.utilities.callables import get_call_parameters
 from tokenmill.audit import reject_cross_shard_duplicates
 from tokenmill.digest import stable_digest
 from tokenmill.dispatch import read_shard_list, write_shard_list
-from tokenmill.engine_choice import resolve
 from tokenmill.engines import engine_scope
 from tokenmill.errors import InputError
 from tokenmill.manifest import build_manifest
@@ -28,6 +27,7 @@ from tokenmill.outputs import (
     remove_leftover_temporaries,
 )
 from tokenmill.prompts import check_job_inputs
+from tokenmill.resolution import resolve_job
 from tokenmill.results import ShardResult, shard_cache_key
 from tokenmill.runner import run_shard
 from tokenmill.shards import ShardSpec, discover_shards_for
@@ -108,8 +108,9 @@ class ResumableShardTask(Task):
 @with_core_logs
 def process_shard(shard: ShardSpec, spec: JobSpec) -> ShardResult:
     """Read, validate, tokenize, run and write one shard; its result persists beside the outputs.
-    `engine: auto` is decided here, before the shard moves (once per process: the choice is kept)."""
-    result = run_shard(shard, resolve(with_server_key(with_storage_secrets(spec))))
+    The job is resolved here, before the shard moves (`engine: auto` chosen; once per process: the
+    resolution is kept). The task takes the spec as written: the shard's cache key is the spec's."""
+    result = run_shard(shard, resolve_job(with_server_key(with_storage_secrets(spec))))
     return result.model_copy(update={"worker": runtime_flow_run.name or ""})
 
 

@@ -170,6 +170,26 @@ def finish_api_start(api: EphemeralApi | None) -> None:
     refresh()  # every thread's Prefect client now uses it
 
 
+def warm_tracking(spec: JobSpec) -> None:
+    """What the flow's first and last steps import and open, made ready while the API starts: MLflow
+    (its import, and the job's tracking store: a SQLite store checks its schema when it opens, 2 to 5 s
+    together on a loaded 2-core machine) and matplotlib's pyplot (the record's padding chart). The
+    main thread would otherwise wait on the API's health check with nothing to do, then pay for
+    these inside the flow. MLflow keeps the store per tracking URI, so the flow's client finds it
+    open. Failures are left for the flow to meet and report."""
+    try:
+        from tokenmill.tracking import tracking_client
+
+        tracking_client(spec)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        log.debug("warming MLflow and matplotlib skipped: %s", exc, exc_info=True)
+    timeline.mark("tracking_warm")
+
+
 def nothing_left_to_run(spec: JobSpec, shards) -> bool:
     """Whether the output's manifest already covers every one of these shards (a rerun of a
     finished job): then no engine is needed, and starting one early would be pure cost."""
@@ -186,10 +206,10 @@ def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
         return
     if getattr(spec, "storage_block", None):  # its credentials come through the API: wait for the flow
         return
-    from tokenmill.engine_choice import choose_engine, resolve, trials_cached
+    from tokenmill.engine_choice import choose_engine, trials_cached
     from tokenmill.engines import get_engine
-    from tokenmill.models import resolve_model
     from tokenmill.planning import estimate_rows
+    from tokenmill.resolution import resolve_job
     from tokenmill.shards import discover_shards_for
 
     try:
@@ -200,6 +220,7 @@ def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
             if not trials_cached(spec):  # measured on a machine that is not busy starting the API
                 finish_api_start(api)
             choose_engine(spec, job_rows=estimate_rows(spec, shards))
-        get_engine(resolve_model(spec.model_name), resolve(spec))
+        job = resolve_job(spec)  # as the shards will resolve it: the engine they ask for is this one
+        get_engine(job.model_path, job.spec)
     except Exception as exc:
         log.debug("early engine start skipped: %s", exc, exc_info=True)

@@ -90,3 +90,32 @@ def test_the_server_dies_with_a_killed_command(tmp_path, corpus):
     process.wait(timeout=30)
     wait_for(lambda: not server.is_running() or server.status() == psutil.STATUS_ZOMBIE, 30,
              "the server process ending after its CLI was killed")
+
+
+def warm_spec(tmp_path, tracking_uri):
+    from tokenmill.spec import JobSpec
+
+    return JobSpec.model_validate({"input": str(tmp_path / "docs.parquet"), "output": str(tmp_path / "out"),
+                                   "tracking": {"mlflow_tracking_uri": tracking_uri}})
+
+
+def test_the_tracking_store_opens_while_the_api_starts_and_the_flow_finds_it_open(tmp_path):
+    import matplotlib
+
+    from tokenmill import timeline
+    from tokenmill.tasks.warm import warm_tracking
+    from tokenmill.tracking import tracking_client
+
+    spec = warm_spec(tmp_path, f"sqlite:///{tmp_path}/warm.db")
+    warm_tracking(spec)
+    assert (tmp_path / "warm.db").exists()  # the store was opened (its schema made) here, not in the flow
+    # MLflow keeps the store per tracking URI: the flow's client gets the one opened ahead
+    assert tracking_client(spec)._tracking_client.store is tracking_client(spec)._tracking_client.store
+    assert "matplotlib.pyplot" in sys.modules and matplotlib.get_backend().lower() == "agg"
+    assert "tracking_warm" in timeline.marks()
+
+
+def test_a_tracking_store_that_cannot_open_is_left_for_the_flow_to_report(tmp_path):
+    from tokenmill.tasks.warm import warm_tracking
+
+    warm_tracking(warm_spec(tmp_path, "no-such-scheme://nowhere"))  # no error here: the flow meets it

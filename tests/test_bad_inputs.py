@@ -13,6 +13,7 @@ from tokenmill.errors import InputError
 from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards, read_shard
 from tokenmill.spec import JobSpec
+from tokenmill.resolution import resolve_job
 
 
 def spec_for(tmp_path, input_path, **overrides) -> JobSpec:
@@ -62,7 +63,7 @@ def test_files_with_zero_rows_get_an_empty_shard_so_the_manifest_counts_them(tmp
     # the empty Parquet file still has to fit the job: its columns are checked like any other's
     empty_parquet = next(s for s in shards if s.format == "parquet")
     with pytest.raises(InputError, match=r"none\.parquet, column 'body': required column is missing"):
-        run_shard(empty_parquet, spec_for(tmp_path, tmp_path, text_column="body"))
+        run_shard(empty_parquet, resolve_job(spec_for(tmp_path, tmp_path, text_column="body")))
 
 
 def test_a_missing_column_is_an_error_naming_file_and_column(tmp_path):
@@ -71,7 +72,7 @@ def test_a_missing_column_is_an_error_naming_file_and_column(tmp_path):
     (shard,) = discover_shards(str(tmp_path))
     with pytest.raises(InputError, match=r"docs\.jsonl, column 'text': required column is missing "
                                          r"\(columns found: id\)"):
-        run_shard(shard, spec_for(tmp_path, tmp_path))
+        run_shard(shard, resolve_job(spec_for(tmp_path, tmp_path)))
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.parquet"))
 
 
@@ -79,11 +80,11 @@ def test_a_wrong_column_type_is_an_error_naming_file_and_column(tmp_path):
     pq.write_table(pa.table({"id": ["a", "b"], "text": [1.5, 2.5]}), tmp_path / "floats.parquet")
     (shard,) = discover_shards(str(tmp_path))
     with pytest.raises(InputError, match=r"floats\.parquet, column 'text': text column has type double"):
-        run_shard(shard, spec_for(tmp_path, tmp_path))
+        run_shard(shard, resolve_job(spec_for(tmp_path, tmp_path)))
     pq.write_table(pa.table({"id": [[1], [2]], "text": ["x", "y"]}), tmp_path / "floats.parquet")
     (shard,) = discover_shards(str(tmp_path))
     with pytest.raises(InputError, match=r"floats\.parquet, column 'id': id column has type list"):
-        run_shard(shard, spec_for(tmp_path, tmp_path))
+        run_shard(shard, resolve_job(spec_for(tmp_path, tmp_path)))
 
 
 def test_a_jsonl_line_that_is_not_utf8_is_a_reject_at_its_byte_offset(tmp_path):
@@ -115,12 +116,12 @@ def test_a_document_far_longer_than_the_context_is_truncated_or_rejected(tmp_pat
     huge = "tokens " * 200_000  # about 200k tokens against MiniLM's 256
     write_parquet(tmp_path / "huge.parquet", ["small", "huge"], ["a short one", huge])
     (shard,) = discover_shards(str(tmp_path))
-    result = run_shard(shard, spec_for(tmp_path, tmp_path))
+    result = run_shard(shard, resolve_job(spec_for(tmp_path, tmp_path)))
     output = pq.read_table(tmp_path / "out" / f"{shard.shard_id}.parquet").to_pydict()
     assert output["id"] == ["small", "huge"] and output["truncated"] == [False, True]
     assert output["input_tokens"][1] == 256 and result.rows_truncated == 1
 
-    rejected = run_shard(shard, spec_for(tmp_path, tmp_path, overlong="reject", output=str(tmp_path / "out2")))
+    rejected = run_shard(shard, resolve_job(spec_for(tmp_path, tmp_path, overlong="reject", output=str(tmp_path / "out2"))))
     (reject,) = pq.read_table(tmp_path / "out2" / "_rejects").to_pylist()
     assert reject["id"] == "huge" and reject["row"] == 1 and reject["file"].endswith("huge.parquet")
     assert "the model takes at most 256" in reject["reason"]

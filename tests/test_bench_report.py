@@ -283,3 +283,36 @@ def test_the_harness_imports_only_the_standard_library():
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module}
     assert imported - set(sys.stdlib_module_names) == {"psutil"}
+
+
+def test_the_row_cache_report_gives_the_short_re_runs_median_wall_their_range_and_the_load(tmp_path):
+    from bench import row_cache
+    from bench.whole import Run, Variant
+
+    def variant(key: str, walls: list[float], **metrics: float) -> tuple[Variant, Run]:
+        runs = [Run(w, metrics={"engine_tokens": 1000.0, "engine_seconds": 8.0, "shards": 1.0, **metrics})
+                for w in walls]
+        made = Variant(key, [], tmp_path, runs=runs)
+        return made, row_cache.median_run(made)
+
+    results = {"first": variant("first run", [100.0]), "first-off": variant("first run, off", [101.0]),
+               "edited": variant("edited", [30.0, 20.0, 21.0], engine_tokens=50.0),
+               "edited-off": variant("edited, off", [99.0]),
+               "appended": variant("appended", [24.0, 22.0], engine_tokens=40.0),  # even count: the lower middle
+               "unchanged": variant("unchanged", [15.0, 9.0, 10.0], engine_tokens=0.0, shards_cached=1.0),
+               "unchanged-off": variant("unchanged, off", [8.0, 12.0, 9.5], engine_tokens=0.0, shards_cached=1.0),
+               "dup": variant("dup", [40.0], engine_tokens=700.0), "dup-off": variant("dup, off", [50.0])}
+    assert results["edited"][1].wall == 21.0 and results["appended"][1].wall == 22.0
+    text = row_cache.render(results, 7000, {"first": [9.0], "edited": [3.0, 8.5, 5.0]})
+    assert "| edited | 21.0 (20.0-30.0, 3 rounds) |" in text and "| 3.0-8.5 |" in text
+    assert "| first run | 100.0 | 8.0 |" in text and "| re-run, 5% of rows edited: wall time | 21.0% | ≤ 25% | yes |" in text
+    assert "3.0 to 9.0 (median 6.8) on" in text and "the edit, append and nothing-changed re-runs 3 rounds each" in text
+    assert "10.0 s (without the row cache 9.5 s)" in text
+    assert "against the faster of the two (100.0 s) the edit and append re-runs are 21.0% and 22.0%" in text
+    assert row_cache.render(results, 7000, machine={**harness_machine(), "date": "then"}).count("**Date:** then") == 1
+
+
+def harness_machine() -> dict:
+    from bench import harness
+
+    return harness.machine()

@@ -12,6 +12,7 @@ from tokenmill.models import resolve_model
 from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec
+from tokenmill.resolution import resolve_job
 
 pytestmark = pytest.mark.engine
 
@@ -46,7 +47,7 @@ def test_a_shard_is_written_in_input_order_with_token_counts(tmp_path, spec, eng
     ids = [f"row-{i}" for i in range(len(TEXTS))]
     write_parquet(tmp_path / "in.parquet", ids, TEXTS, row_group_size=3)
     job = spec.model_copy(update={"input": str(tmp_path / "in.parquet"), "output": str(tmp_path / "out")})
-    results = [run_shard(shard, job) for shard in discover_shards(job.input, max_shard_rows=4)]
+    results = [run_shard(shard, resolve_job(job)) for shard in discover_shards(job.input, max_shard_rows=4)]
     table = pq.read_table(tmp_path / "out")
     assert table.column_names[:4] == ["id", "embedding", "input_tokens", "output_tokens"]
     assert table.column("id").to_pylist() == ids
@@ -73,7 +74,7 @@ def test_a_dead_engine_is_restarted_once_and_the_shard_redone(tmp_path, spec, en
     core.join(timeout=30)
 
     with caplog.at_level(logging.WARNING, logger="tokenmill"):
-        result = run_shard(shard, job)
+        result = run_shard(shard, resolve_job(job))
     assert result.rows_out == len(TEXTS)
     assert pq.read_table(tmp_path / "out").column("id").to_pylist() == ids
     (message,) = [r.getMessage() for r in caplog.records if "engine died" in r.getMessage()]

@@ -14,6 +14,7 @@ from tokenmill.models import resolve_model
 from tokenmill.runner import FEED_CHUNK_ROWS, feed_padding, plan_feed, run_shard
 from tokenmill.shards import discover_shards
 from tokenmill.spec import ChatMessage, GenerationParams, JobSpec
+from tokenmill.resolution import resolve_job
 
 # very different lengths, so length buckets would cut them into several calls
 PROMPTS = [
@@ -105,7 +106,7 @@ def test_vllm_gets_the_shard_in_input_order_chunks_and_a_padding_engine_gets_buc
 def test_rows_come_back_in_input_order_whatever_the_feed(tmp_path, engine_name, calls):
     shard, job = _shard_job(tmp_path, _spec(8), PROMPTS)
     engine = LengthEngine(engine_name)
-    result = run_shard(shard, job, engine=engine)
+    result = run_shard(shard, resolve_job(job), engine=engine)
     table = pq.read_table(tmp_path / "out").to_pylist()
     assert [row["id"] for row in table] == list(range(len(PROMPTS)))
     assert [row["output_text"] for row in table] == [str(row["input_tokens"]) for row in table]
@@ -124,7 +125,7 @@ def test_real_vllm_generates_a_shard_in_one_call_in_input_order(tmp_path, monkey
     model_path = resolve_model(spec.model_name)
     engine = CountingEngine(get_engine(model_path, spec))
     shard, job = _shard_job(tmp_path, spec, PROMPTS)
-    result = run_shard(shard, job, engine=engine)
+    result = run_shard(shard, resolve_job(job), engine=engine)
     assert engine.calls == [len(PROMPTS)]
     assert result.batches == 1
     table = pq.read_table(tmp_path / "out").to_pylist()

@@ -12,6 +12,7 @@ from tokenmill.models import resolve_model
 from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards
 from tokenmill.spec import ChatMessage, GenerationParams, JobSpec
+from tokenmill.resolution import resolve_job
 
 pytestmark = pytest.mark.engine
 
@@ -42,7 +43,7 @@ def test_generates_answers_in_input_order(tmp_path, spec, engine):
     path.write_text("".join(json.dumps({"id": i, "text": p}) + "\n" for i, p in enumerate(PROMPTS)))
     job = spec.model_copy(update={"input": str(path), "output": str(tmp_path / "out")})
     (shard,) = discover_shards(job.input)
-    result = run_shard(shard, job)
+    result = run_shard(shard, resolve_job(job))
     table = pq.read_table(tmp_path / "out").to_pylist()
     assert [row["id"] for row in table] == [0, 1, 2, 3]
     assert all(row["output_text"].strip() for row in table)

@@ -20,6 +20,7 @@ from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec
 from tokenmill.report import run_metrics
+from tokenmill.resolution import resolve_job
 
 pytestmark = pytest.mark.engine
 
@@ -68,7 +69,7 @@ def run_job(tmp_path, spec, path, name="out", **generation):
         "input": str(path), "output": str(tmp_path / name),
         "generation": spec.generation.model_validate({**spec.generation.model_dump(), **generation})})
     (shard,) = discover_shards(job.input)
-    result = run_shard(shard, job)
+    result = run_shard(shard, resolve_job(job))
     return job, result, pq.read_table(tmp_path / name).to_pylist()
 
 
@@ -136,12 +137,12 @@ def test_two_columns_with_a_system_prompt_and_a_few_shot_turn_and_passthrough(tm
     assert '{"label": "negative", "confidence": 0.9}' in prompt  # the few-shot turn, braces intact
     assert all(r["output_text"] for r in rows)
     named = job.model_copy(update={"passthrough_columns": ["product", "lang"], "output": str(tmp_path / "named")})
-    run_shard(discover_shards(job.input)[0], named)
+    run_shard(discover_shards(job.input)[0], resolve_job(named))
     table = pq.read_table(tmp_path / "named")
     assert table.column_names[-2:] == ["product", "lang"] and table.column_names[:2] == ["id", "output_text"]
     assert table.column("product").to_pylist() == [PRODUCTS[i % 3] for i in range(6)]
     every = job.model_copy(update={"passthrough_columns": "all", "output": str(tmp_path / "all")})
-    run_shard(discover_shards(job.input)[0], every)
+    run_shard(discover_shards(job.input)[0], resolve_job(every))
     assert pq.read_table(tmp_path / "all").column_names[-3:] == ["text", "product", "lang"]
 
 
@@ -153,7 +154,7 @@ def test_a_messages_column_is_each_rows_own_chat(tmp_path, spec, engine):
                             for i, c in enumerate(chats)))
     job, _, rows = run_job(tmp_path, spec, path, messages_column="chat", max_tokens=8)
     job = job.model_copy(update={"passthrough_columns": ["topic"], "output": str(tmp_path / "pt")})
-    run_shard(discover_shards(job.input)[0], job)
+    run_shard(discover_shards(job.input)[0], resolve_job(job))
     assert [r["id"] for r in rows] == ["c0", "c1"] and "paris" in rows[0]["output_text"].lower()
     assert pq.read_table(tmp_path / "pt").column("topic").to_pylist() == ["quiz", "quiz"]
 

@@ -12,6 +12,7 @@ from tokenmill.models import resolve_model
 from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec, ModelSpec
+from tokenmill.resolution import resolve_job
 
 LONG_TEXT = " ".join(f"Sentence number {i} talks about batching and padding." for i in range(80))
 
@@ -68,7 +69,7 @@ def test_a_shard_runs_through_the_transformers_engine(tmp_path, embed_spec_hf):
     write_parquet(tmp_path / "in.parquet", ids, TEXTS)
     job = embed_spec_hf.model_copy(update={"input": str(tmp_path), "output": str(tmp_path / "out")})
     (shard,) = discover_shards(job.input)
-    result = run_shard(shard, job)
+    result = run_shard(shard, resolve_job(job))
     table = pq.read_table(tmp_path / "out")
     assert table.column("id").to_pylist() == ids and result.rows_out == len(TEXTS)
     assert len(table.column("embedding")[0]) == 384

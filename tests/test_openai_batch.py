@@ -31,6 +31,7 @@ from tokenmill.openai_batch import OPENAI_DIR, run_openai_batch_shard, sampling_
 from tokenmill.openai_wire import ChatBody, parse_lines
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec
+from tokenmill.resolution import resolve_job
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_LOCK = "/tmp/tokenmill-engine.lock"
@@ -125,7 +126,7 @@ def test_bad_lines_get_error_lines_and_the_rest_run(tmp_path):
     spec = generate_job(tmp_path, path)
     (shard,) = discover_shards(str(path))
     assert shard.format == "openai-batch"  # auto-detected from the lines
-    result = run_openai_batch_shard(shard, spec, StandInEngine())
+    result = run_openai_batch_shard(shard, resolve_job(spec), StandInEngine())
     assert (result.rows_in, result.rows_out, result.rows_rejected) == (len(lines), 6, len(lines) - 6)
 
     batch = write_batch_files(spec, [result])
@@ -172,7 +173,7 @@ def test_each_line_brings_its_own_sampling(tmp_path):
     spec = generate_job(tmp_path, path, openai_batch={"mixed_endpoints": True})
     (shard,) = discover_shards(str(path))
     engine = StandInEngine()
-    run_openai_batch_shard(shard, spec, engine)
+    run_openai_batch_shard(shard, resolve_job(spec), engine)
     asked = {line["custom_id"]: row for line, row in zip(lines, engine.overrides)}
     assert asked["plain"]["max_tokens"] == 12 and asked["plain"]["temperature"] == 0
     assert asked["plain"]["logprobs"] is None and asked["plain"]["n"] == 1
@@ -210,7 +211,7 @@ def test_embeddings_in_and_out(tmp_path):
     spec = JobSpec(input=str(path), output=str(tmp_path / "out"), mode="embed", model=TEST_EMBED_MODEL,
                    openai_batch={"model_aliases": {"text-embedding-3-small": "all-MiniLM-L6-v2"}})
     (shard,) = discover_shards(str(path))
-    result = run_openai_batch_shard(shard, spec, StandInEngine())
+    result = run_openai_batch_shard(shard, resolve_job(spec), StandInEngine())
     assert (result.rows_out, result.rows_rejected) == (3, 2)
     batch = Batch.model_validate(write_batch_files(spec, [result]))
     assert batch.endpoint == "/v1/embeddings" and batch.request_counts.completed == 3
@@ -233,8 +234,8 @@ def test_mixed_endpoints_need_the_jobs_permission(tmp_path):
     path = write_jsonl(tmp_path / "mixed.jsonl", lines)
     (shard,) = discover_shards(str(path))
     with pytest.raises(InputError, match="mixes endpoints"):
-        run_openai_batch_shard(shard, generate_job(tmp_path, path), StandInEngine())
-    result = run_openai_batch_shard(shard, generate_job(tmp_path, path, openai_batch={"mixed_endpoints": True}),
+        run_openai_batch_shard(shard, resolve_job(generate_job(tmp_path, path)), StandInEngine())
+    result = run_openai_batch_shard(shard, resolve_job(generate_job(tmp_path, path, openai_batch={"mixed_endpoints": True})),
                                     StandInEngine())
     assert result.rows_out == 2
     # a file of embeddings requests in a generate job is the job's error, not one line's
@@ -242,7 +243,7 @@ def test_mixed_endpoints_need_the_jobs_permission(tmp_path):
                                                 "body": {"input": "x"}}])
     (shard,) = discover_shards(str(emb))
     with pytest.raises(InputError, match="needs mode: embed"):
-        run_openai_batch_shard(shard, generate_job(tmp_path, emb), StandInEngine())
+        run_openai_batch_shard(shard, resolve_job(generate_job(tmp_path, emb)), StandInEngine())
 
 
 def test_a_custom_id_held_by_an_earlier_shard_becomes_an_error_line(tmp_path):
@@ -254,7 +255,7 @@ def test_a_custom_id_held_by_an_earlier_shard_becomes_an_error_line(tmp_path):
     write_jsonl(folder / "b.jsonl", [chat_line("dup", "Hello"), chat_line("b1", "Hello")])
     spec = generate_job(tmp_path, folder)
     shards = discover_shards(str(folder))
-    results = [run_openai_batch_shard(shard, spec, StandInEngine()) for shard in shards]
+    results = [run_openai_batch_shard(shard, resolve_job(spec), StandInEngine()) for shard in shards]
     results = reject_cross_shard_duplicates(spec, shards, results)
     batch = Batch.model_validate(write_batch_files(spec, results))
     out = tmp_path / "out" / OPENAI_DIR
@@ -268,7 +269,7 @@ def test_a_file_with_no_valid_line_fails_the_job(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_LINES[2:])
     spec = generate_job(tmp_path, path, format="openai-batch")
     (shard,) = discover_shards(str(path), fmt="openai-batch")
-    result = run_openai_batch_shard(shard, spec, StandInEngine())
+    result = run_openai_batch_shard(shard, resolve_job(spec), StandInEngine())
     assert result.rows_out == 0
     with pytest.raises(InputError, match="no line is a valid request"):
         write_batch_files(spec, [result])
@@ -421,7 +422,7 @@ def test_embeddings_on_the_real_engine(tmp_path):
     with engine_lock():
         engine = start_engine(model_dir, spec)
         try:
-            result = run_openai_batch_shard(shard, spec, engine)
+            result = run_openai_batch_shard(shard, resolve_job(spec), engine)
             plain = engine.embed(load_tokenizer(model_dir)(texts, add_special_tokens=True)["input_ids"])
         finally:
             engine.close()

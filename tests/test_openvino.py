@@ -19,7 +19,8 @@ from tokenmill.engine_choice import runnable_engines
 from tokenmill.engines import start_engine
 from tokenmill.models import load_tokenizer, resolve_model
 from tokenmill.onnx_models import int8_isa
-from tokenmill.openvino_engine import CALIBRATION_ROWS, calibration
+from tokenmill.openvino_engine import (CALIBRATION_ROWS, CALIBRATION_TOKENS, MIN_CALIBRATION_ROWS, calibration,
+                                       calibration_rows)
 from tokenmill.spec import OPENVINO_QUANTIZATIONS, JobSpec
 
 MINILM = "all-MiniLM-L6-v2"
@@ -57,6 +58,14 @@ def corpus(tmp_path_factory):
     return folder
 
 
+def test_calibration_takes_rows_until_its_token_budget_and_never_too_few():
+    long, short = [[1] * 256] * 300, [[1] * 20] * 300
+    assert len(calibration_rows(long)) == MIN_CALIBRATION_ROWS == CALIBRATION_TOKENS // 256  # ~16k tokens
+    assert len(calibration_rows([[1] * 1000] * 300)) == MIN_CALIBRATION_ROWS  # the floor, over the budget
+    assert len(calibration_rows(short[:CALIBRATION_ROWS])) == CALIBRATION_ROWS  # short rows: the whole sample
+    assert calibration_rows(long[:10]) == long[:10]
+
+
 def test_int8_is_calibrated_on_the_jobs_rows_made_once_and_stays_close_to_sentence_transformers(
         models_home, corpus, monkeypatch):
     from sentence_transformers import SentenceTransformer
@@ -65,8 +74,10 @@ def test_int8_is_calibrated_on_the_jobs_rows_made_once_and_stays_close_to_senten
     spec = JobSpec(input=str(corpus), model=OV_INT8)
     batches, digest = calibration(spec, path)
     rows = sum(len(b["input_ids"]) for b in batches)
-    assert rows == min(CALIBRATION_ROWS, 160) and all(b["input_ids"].shape == b["attention_mask"].shape
-                                                       for b in batches)
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    assert MIN_CALIBRATION_ROWS <= rows <= min(CALIBRATION_ROWS, 160)
+    assert rows == min(CALIBRATION_ROWS, 160) or tokens <= CALIBRATION_TOKENS
+    assert all(b["input_ids"].shape == b["attention_mask"].shape for b in batches)
     engine = start_engine(path, spec)
     folder = engine.model_file.parent
     assert folder.parent == models_home and folder.name.startswith(f"{MINILM}.int8-{int8_isa()}.")
@@ -115,6 +126,8 @@ def test_the_gate_passes_openvino_int8_against_float32_and_the_job_runs_it(
     assert "[int8] (openvino): pass, runs the corpus" in record.summary
     table = pq.read_table(tmp_path / "out")
     assert table.num_rows == 160 and len(set(table.column("id").to_pylist())) == 160  # rows in = rows out
+    # the gate's 128 sample rows, computed on the chosen candidate, are not computed again by the corpus run
+    assert metrics["rows_from_cache"] == 128 and metrics["engine_tokens"] < metrics["input_tokens"]
     assert len(table.column("embedding")[0].as_py()) == 384
 
 

@@ -117,3 +117,22 @@ def test_engine_seconds_follow_the_rate_curve_over_length():
     points = [(16, 1000.0), (256, 4000.0)]
     assert rate_at(points, 8) == 1000.0 and rate_at(points, 1024) == 4000.0  # flat beyond what was measured
     assert rate_at(points, 64) == pytest.approx(2000.0)  # log-log between: halfway in log length
+
+
+def test_rows_of_jsonl_shards_are_estimated_and_empty_ones_count_none(tmp_path):
+    """Each JSONL shard's rows from its bytes, at the first non-empty shard's bytes per row; a corpus whose
+    JSONL files are all empty estimates 0 rows for them instead of failing the flow before it starts."""
+    from tokenmill.planning import rows_per_shard
+    from tokenmill.shards import discover_shards_for
+    from tokenmill.spec import JobSpec
+
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"id": f"a{i}", "text": "x" * 20}) + "\n"
+                                              for i in range(10)))
+    (tmp_path / "none.jsonl").write_bytes(b"")
+    write_parquet(tmp_path / "b.parquet", ["b0", "b1"], ["first", "second"])
+    spec = JobSpec(input=str(tmp_path))
+    shards = sorted(discover_shards_for(spec), key=lambda s: s.uri)
+    assert rows_per_shard(spec, shards) == [10, 2, 0]
+    (tmp_path / "a.jsonl").unlink()
+    shards = sorted(discover_shards_for(spec), key=lambda s: s.uri)
+    assert rows_per_shard(spec, shards) == [2, 0]

@@ -38,6 +38,7 @@ from tokenmill.runner import run_shard
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec
 from tokenmill.report import run_metrics, summary_markdown
+from tokenmill.resolution import resolve_job
 
 MINILM = "all-MiniLM-L6-v2"
 ONNX = {"name": MINILM, "engine": "onnxruntime"}
@@ -196,7 +197,7 @@ def test_a_rerun_computes_only_the_changed_rows_and_duplicates_once(tmp_path):
     texts.append(None)  # a rejected row: rows in = rows out + rejected, with the cache as without it
     shard, spec = one_shard(tmp_path, texts)
     engine = VectorEngine()
-    first = run_shard(shard, spec, engine=engine)
+    first = run_shard(shard, resolve_job(spec), engine=engine)
     assert (first.row_cache, first.rows_from_cache, first.rows_collapsed) == ("on", 0, 2)
     assert engine.rows == 60 - 2 and first.real_tokens == engine.tokens
     assert first.rows_in == first.rows_out + first.rows_rejected == 61
@@ -208,7 +209,7 @@ def test_a_rerun_computes_only_the_changed_rows_and_duplicates_once(tmp_path):
     edited[10], edited[20], edited[30] = "an edited row", "another edited row", "a third one, edited"
     shard, spec = one_shard(tmp_path, edited)
     again = VectorEngine()
-    second = run_shard(shard, spec, engine=again)
+    second = run_shard(shard, resolve_job(spec), engine=again)
     assert again.rows == 3 and second.rows_from_cache == 57 and second.rows_cache_lookups == 60
     assert second.real_tokens == again.tokens == sum(output_of(spec, shard).column("input_tokens").to_pylist()[i]
                                                       for i in (10, 20, 30))
@@ -218,7 +219,7 @@ def test_a_rerun_computes_only_the_changed_rows_and_duplicates_once(tmp_path):
     fresh = one_shard(tmp_path, edited, output=str(tmp_path / "fresh"),
                       cache={"enabled": False, "collapse_duplicates": False})
     none = VectorEngine()
-    run_shard(*fresh, engine=none)
+    run_shard(fresh[0], resolve_job(fresh[1]), engine=none)
     assert none.rows == 60 and output_of(spec, shard).equals(output_of(fresh[1], fresh[0]))
 
 
@@ -227,11 +228,11 @@ def test_generations_come_back_whole_from_the_cache(tmp_path):
                             model={"name": "SmolLM2-135M-Instruct", "engine": "vllm"},
                             generation={"max_tokens": 8, "logprobs": 1, "response_format": {"regex": "[0-9]+ tokens"}})
     engine = EchoEngine()
-    first = run_shard(shard, spec, engine=engine)
+    first = run_shard(shard, resolve_job(spec), engine=engine)
     assert engine.rows == 9 and first.rows_collapsed == 2
     before = output_of(spec, shard)
     engine = EchoEngine()
-    second = run_shard(shard, spec, engine=engine)
+    second = run_shard(shard, resolve_job(spec), engine=engine)
     assert engine.rows == 0 and second.rows_from_cache == 11 and second.batches == 0
     assert output_of(spec, shard).equals(before)
     assert second.output_tokens == first.output_tokens == 22 and second.tokens_saved == second.input_tokens + 22
@@ -241,23 +242,23 @@ def test_cache_enabled_false_writes_and_reads_nothing(tmp_path):
     texts = corpus_texts(20) + ["twice"] * 2
     shard, spec = one_shard(tmp_path, texts, cache={"enabled": False})
     engine = VectorEngine()
-    result = run_shard(shard, spec, engine=engine)
+    result = run_shard(shard, resolve_job(spec), engine=engine)
     assert result.row_cache == "off" and result.rows_cache_lookups == 0
     assert result.rows_collapsed == 1 and engine.rows == 21  # collapse is its own switch
     assert not (tmp_path / "out" / "_cache").exists()
     shard, spec = one_shard(tmp_path, texts, cache={"enabled": False, "collapse_duplicates": False})
     engine = VectorEngine()
-    assert run_shard(shard, spec, engine=engine).rows_collapsed == 0 and engine.rows == 22
+    assert run_shard(shard, resolve_job(spec), engine=engine).rows_collapsed == 0 and engine.rows == 22
 
 
 def test_a_shared_cache_location_serves_another_job(tmp_path):
     shared = str(tmp_path / "shared-cache")
     shard, spec = one_shard(tmp_path, corpus_texts(30), cache={"uri": shared})
-    run_shard(shard, spec, engine=VectorEngine())
+    run_shard(shard, resolve_job(spec), engine=VectorEngine())
     other = one_shard(tmp_path, corpus_texts(30), name="copy.parquet", output=str(tmp_path / "other"),
                       cache={"uri": shared})
     engine = VectorEngine()
-    assert run_shard(*other, engine=engine).rows_from_cache == 30 and engine.rows == 0
+    assert run_shard(other[0], resolve_job(other[1]), engine=engine).rows_from_cache == 30 and engine.rows == 0
     assert not (tmp_path / "other" / "_cache").exists()
 
 
@@ -269,24 +270,24 @@ def entry_files(spec) -> list[Path]:
 
 def test_a_corrupt_or_unreadable_cache_file_means_computing_not_failing(tmp_path, caplog):
     shard, spec = one_shard(tmp_path, corpus_texts(30))
-    run_shard(shard, spec, engine=VectorEngine())
+    run_shard(shard, resolve_job(spec), engine=VectorEngine())
     expected = output_of(spec, shard)
     (written,) = entry_files(spec)
     (written.parent / "garbage.parquet").write_bytes(b"not parquet at all")
     with caplog.at_level(logging.WARNING, logger="tokenmill.row_cache"):
         engine = VectorEngine()
-        assert run_shard(shard, spec, engine=engine).rows_from_cache == 30  # the good file still answers
+        assert run_shard(shard, resolve_job(spec), engine=engine).rows_from_cache == 30  # the good file still answers
     assert "garbage.parquet, which cannot be read" in caplog.text
     data = written.read_bytes()
     written.write_bytes(data[: len(data) // 2])  # cut short after this process indexed it
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tokenmill.row_cache"):
         engine = VectorEngine()
-        result = run_shard(shard, spec, engine=engine)
+        result = run_shard(shard, resolve_job(spec), engine=engine)
     assert engine.rows == 30 and result.rows_from_cache == 0 and "computed again" in caplog.text
     assert output_of(spec, shard).equals(expected)
     engine = VectorEngine()
-    assert run_shard(shard, spec, engine=engine).rows_from_cache == 30  # the entries were written again
+    assert run_shard(shard, resolve_job(spec), engine=engine).rows_from_cache == 30  # the entries were written again
 
 
 def test_entries_of_another_dimension_or_model_are_ignored_with_a_warning(tmp_path, caplog):
@@ -351,10 +352,10 @@ def test_the_oldest_files_are_evicted_past_max_bytes_and_a_hit_counts_as_use(tmp
 
 def test_max_bytes_is_kept_after_every_shard(tmp_path):
     shard, spec = one_shard(tmp_path, corpus_texts(30), cache={"max_bytes": 1})
-    run_shard(shard, spec, engine=VectorEngine())
+    run_shard(shard, resolve_job(spec), engine=VectorEngine())
     assert entry_files(spec) == []  # written, then evicted: a cap below one file keeps nothing
     engine = VectorEngine()
-    assert run_shard(shard, spec, engine=engine).rows_from_cache == 0 and engine.rows == 30
+    assert run_shard(shard, resolve_job(spec), engine=engine).rows_from_cache == 0 and engine.rows == 30
 
 
 def test_the_cache_on_an_object_store(tmp_path, s3_server):
@@ -364,13 +365,13 @@ def test_the_cache_on_an_object_store(tmp_path, s3_server):
     options = {"endpoint_url": s3_server}
     shard, spec = one_shard(tmp_path, corpus_texts(30), storage_options=options,
                             cache={"uri": "s3://cache-bucket/rows", "max_bytes": 10**9})
-    run_shard(shard, spec, engine=VectorEngine())
+    run_shard(shard, resolve_job(spec), engine=VectorEngine())
     fs = s3fs.S3FileSystem(endpoint_url=s3_server)
     written = [p for p in fs.find("cache-bucket/rows") if p.endswith(".parquet")]
     assert len(written) == 1 and not fs.exists("cache-bucket/rows/_tmp")  # one PUT, no temporary file
     row_cache._indexes.clear()  # another process: it knows the bucket only by listing it
     engine = VectorEngine()
-    assert run_shard(shard, spec, engine=engine).rows_from_cache == 30 and engine.rows == 0
+    assert run_shard(shard, resolve_job(spec), engine=engine).rows_from_cache == 30 and engine.rows == 0
     cache = RowCache.for_job(spec, resolve_model(MINILM), "transformers")
     assert [Path(p).name for p in cache.evict(0)] == [Path(written[0]).name]
     fs.invalidate_cache()
@@ -384,7 +385,7 @@ def test_the_plan_counts_only_the_tokens_still_to_compute(tmp_path):
     shard, spec = one_shard(tmp_path, texts)
     before = estimate_corpus(spec, sample_rows=64)
     assert before.row_cache_share == 0 and before.tokens_to_compute == before.tokens
-    run_shard(shard, spec, engine=VectorEngine())
+    run_shard(shard, resolve_job(spec), engine=VectorEngine())
     after = estimate_corpus(spec, sample_rows=64)
     assert after.row_cache_share == 1.0 and after.tokens_to_compute == 0
     assert "tokens still to compute" in after.describe()
@@ -418,7 +419,8 @@ def read_output(tmp_path, output: str) -> pa.Table:
     return pa.concat_tables(pq.read_table(p) for p in sorted((tmp_path / output).glob("*.parquet")))
 
 
-def test_a_rerun_after_editing_5_percent_of_rows_computes_only_those_and_outputs_the_same(tmp_path, prefect_api):
+def test_a_rerun_after_editing_5_percent_of_rows_computes_only_those_and_outputs_the_same(tmp_path, prefect_api,
+                                                                                          monkeypatch):
     from tokenmill.flows.batch import batch_flow
 
     corpus = tmp_path / "corpus"
@@ -447,8 +449,10 @@ def test_a_rerun_after_editing_5_percent_of_rows_computes_only_those_and_outputs
     assert without.metrics["engine_tokens"] == without.metrics["input_tokens"] and "row cache: off" in without.summary
     assert with_cache.equals(read_output(tmp_path, "no-cache"))  # the same rows, bit for bit
 
-    third = batch_flow(flow_spec(tmp_path, corpus, "out"))  # nothing changed: every shard from the shard cache
-    assert third.metrics["shards_cached"] == 2 and third.metrics["engine_tokens"] == 0
+    opened = []  # nothing changed: every shard from the shard cache, and the row cache never opened
+    monkeypatch.setattr(RowCache, "_index", lambda self: opened.append(self.folder) or pytest.fail("opened"))
+    third = batch_flow(flow_spec(tmp_path, corpus, "out"))
+    assert third.metrics["shards_cached"] == 2 and third.metrics["engine_tokens"] == 0 and not opened
 
 
 def test_duplicates_in_a_shard_are_computed_once(tmp_path, prefect_api):

@@ -22,11 +22,10 @@ from pydantic import BaseModel
 
 from tokenmill.economics import RunCost
 from tokenmill.encoding import encode_rows
-from tokenmill.engine_choice import resolve
 from tokenmill.engine_protocol import run_engine
 from tokenmill.engines import get_engine
 from tokenmill.memory import PeakMemory
-from tokenmill.models import resolve_model
+from tokenmill.resolution import resolve_job
 from tokenmill.sampling import corpus_sample
 from tokenmill.spec import JobSpec
 
@@ -95,9 +94,9 @@ class Calibration(BaseModel):
 
 def calibrate(spec: JobSpec, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, sample_rows: int = 512,
               min_calls: int = 2) -> Calibration:
-    spec = resolve(spec)  # engine: auto calibrates the engine its trial picks
+    resolved = resolve_job(spec)  # engine: auto calibrates the engine its trial picks
+    spec, model_path = resolved.spec, resolved.model_path
     texts, _ = corpus_sample(spec, sample_rows)
-    model_path = resolve_model(spec.model_name)
     encoded = encode_rows(texts, spec, model_path)
     rows = sorted(encoded.token_ids, key=len)  # as length buckets would group them
     lengths = [len(r) for r in rows]

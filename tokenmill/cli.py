@@ -196,7 +196,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(spec.to_yaml(), end="")
         return 0
     from tokenmill import timeline
-    from tokenmill.tasks.warm import finish_api_start, start_api_in_background, start_engine_early
+    from tokenmill.tasks.warm import finish_api_start, start_api_in_background, start_engine_early, warm_tracking
 
     timeline.mark("cli_ready")
     api = start_api_in_background()  # its process starts now; the flow's imports and the engine's start overlap it
@@ -213,6 +213,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print(predict_job(spec).describe(), flush=True)  # before any work: the record holds it to the run
     start_engine_early(spec, api)
+    warm_tracking(spec)  # in the API's start, which the main thread would otherwise wait out idle
     finish_api_start(api)
     timeline.mark("flow_called")
     with _progress_bar(enabled=not args.no_progress and sys.stderr.isatty()):

@@ -29,10 +29,18 @@ def encode_rows(rows: Sequence, spec: JobSpec, model_path: str) -> EncodedRows:
     return _encode_for_generation(list(rows), load_tokenizer(model_path), limit, spec)
 
 
-def input_token_limit(spec: JobSpec, model_path: str) -> int:
+def context_limit(spec: JobSpec, model_path: str) -> int:
+    """The tokens a request may hold, prompt and answer together: max_input_tokens, else the model's
+    limit, and at most the engine's max_model_len where the job sets one."""
     limit = spec.model.max_input_tokens or model_input_limit(model_path)
     if spec.model.engine_kwargs.get("max_model_len"):
         limit = min(limit, int(spec.model.engine_kwargs["max_model_len"]))
+    return limit
+
+
+def input_token_limit(spec: JobSpec, model_path: str) -> int:
+    """The tokens a row's input may hold: the context, less the room for the answer when generating."""
+    limit = context_limit(spec, model_path)
     if spec.mode == "generate":
         limit -= spec.generation.max_tokens  # room for the answer inside the context
         if limit < 1:

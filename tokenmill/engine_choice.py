@@ -220,12 +220,11 @@ def resolve(spec: JobSpec) -> JobSpec:
     if spec.model.engine != "auto":
         return spec
     choice = chosen_engine(spec) or choose_engine(spec)
-    resolved = with_engine(spec, choice.engine)
+    chosen: dict[str, Any] = {"engine": choice.engine}
     trial = choice.trial(choice.engine)
     if trial is not None and trial.tokens_per_s_by_streams and not spec.model.cpu_streams:
-        resolved = resolved.model_copy(update={"model": resolved.model.model_copy(
-            update={"cpu_streams": trial.streams})})
-    return resolved
+        chosen["cpu_streams"] = trial.streams
+    return spec.model_copy(update={"model": spec.model.model_copy(update=chosen)})  # the one rewrite auto makes
 
 
 def choose_engine(spec: JobSpec, job_rows: int | None = None, refresh: bool = False) -> EngineChoice:
@@ -441,7 +440,7 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
     try:
         started = time.perf_counter()
         instance = get_engine(model_path, job)
-        start_seconds = getattr(instance, "start_seconds", None) or time.perf_counter() - started
+        start_seconds = instance.start_seconds or time.perf_counter() - started
         warm = max(1, min(8, len(rows) // 4))
         run_engine(instance, rows[-warm:], job)  # warm-up: first-call allocations, kernels; not timed again
         rows = rows[:-warm] or rows
@@ -449,7 +448,7 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         tokens = sum(len(r) for r in rows)
         # transformers on CPU with streams left to auto: timed at its streams and at one, and kept at the
         # faster: what two batches at once gain depends on the CPU
-        running = getattr(instance, "streams", 1)
+        running = instance.streams
         candidates = [running, 1] if running > 1 and not spec.model.cpu_streams else [running]
         by_streams: dict[int, float] = {}
         fastest = None

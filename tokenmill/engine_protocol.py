@@ -48,6 +48,14 @@ class Engine(Protocol):
 
     def close(self) -> None: ...
 
+    def configure_streams(self, spec: JobSpec) -> None:
+        """The streams a job asks for, on an engine the process already holds (one engine, jobs that ask
+        for different streams). One batch at a time: nothing to configure."""
+
+    def set_streams(self, streams: int) -> None:
+        """Run `streams` batches at once from now on (the engine trial times more than one)."""
+        self.streams = streams
+
 
 def run_engine(engine: Engine, batch: Sequence[Sequence[int]], spec: JobSpec) -> list:
     """One engine call for the job's mode: vectors (embed) or Generations (generate)."""

@@ -39,10 +39,10 @@ def engine_key(spec: JobSpec, model_path: str | None = None) -> tuple:
 
 def refuse_auto(spec: JobSpec) -> JobSpec:
     """The spec, whose engine must be a real one: `engine: auto` is a choice, made above the registry
-    (tokenmill.engine_choice.resolve) before any engine is asked for."""
+    (tokenmill.resolution.resolve_job) before any engine is asked for."""
     if spec.model.engine == "auto":
         raise ValueError("model.engine 'auto' reached the engine registry unresolved: resolve the job first "
-                         "(tokenmill.engine_choice.resolve(spec)), then ask for the engine it chose")
+                         "(tokenmill.resolution.resolve_job(spec)), then ask for the engine it chose")
     return spec
 
 
@@ -55,7 +55,7 @@ def get_engine(model_path: str, spec: JobSpec) -> Engine:
             timeline.mark("engine_start")
             engine = _engines[key] = start_engine(model_path, spec)
             timeline.mark("engine_ready")
-        elif hasattr(engine, "configure_streams"):  # one engine, jobs that ask for different streams
+        else:  # one engine, jobs that ask for different streams
             engine.configure_streams(spec)
         return engine
 

@@ -10,6 +10,7 @@ each, the value against its threshold.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -24,16 +25,21 @@ from tokenmill.economics import RunCost
 from tokenmill.encoding import encode_rows
 from tokenmill.digest import stable_digest
 from tokenmill.device import device_label
-from tokenmill.engine_choice import TRIAL_LIBRARIES, cache_dir, length_class, resolve
+from tokenmill.engine_choice import TRIAL_LIBRARIES, cache_dir, length_class
 from tokenmill.engine_protocol import Engine, token_budget
 from tokenmill.engines import discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
 from tokenmill.generation import OutputChecker, check_response_format, parsed_agreement
 from tokenmill.models import resolve_model
+from tokenmill.resolution import resolve_job
+from tokenmill.resolved_job import ResolvedJob
+from tokenmill.row_cache import keep_sample_rows
 from tokenmill.runner import run_batches
 from tokenmill.sampling import corpus_sample
 from tokenmill.spec import GateSpec, JobSpec, ModelSpec
 from tokenmill.versions import library_versions
+
+log = logging.getLogger(__name__)
 
 # What a sound quantization (or the same model on another engine or dtype) passes and a
 # damaged model fails. On 128 rows of the sample corpus, MiniLM with int8 per-channel weights
@@ -254,13 +260,15 @@ class SampleRun:
     tokens: int
 
 
-def run_sample(job: JobSpec, texts: list[str], engine: Engine | None = None) -> SampleRun:
+def run_sample(resolved: ResolvedJob, texts: list[str], engine: Engine | None = None, keep: bool = False) -> SampleRun:
     """The sample through the job's engine, timed after one untimed warm-up call (first-call
-    allocations and kernel choices), as the engine trial times it: a rate the corpus will see."""
-    model_path = resolve_model(job.model_name)
-    encoded = encode_rows(texts, job, model_path)
+    allocations and kernel choices), as the engine trial times it: a rate the corpus will see. keep: the
+    texts are the corpus's own rows; their vectors go to the job's row cache (embed), so the corpus run
+    does not compute them again on whichever side runs it."""
+    job = resolved.spec
+    encoded = encode_rows(texts, job, resolved.model_path)
     lengths = [len(ids) for ids in encoded.token_ids]
-    engine = engine or get_engine(model_path, job)
+    engine = engine or get_engine(resolved.model_path, job)
     batches = plan_batches(lengths, token_budget(job, engine), job.batching.max_batch_size,
                            job.batching.length_tolerance)
     if batches:
@@ -271,6 +279,10 @@ def run_sample(job: JobSpec, texts: list[str], engine: Engine | None = None) -> 
     seconds = time.perf_counter() - started
     outputs = restore_order(batches, results)
     tokens = sum(lengths) + (sum(g.output_tokens for g in outputs) if job.mode == "generate" else 0)
+    if job.mode == "embed" and keep:  # the corpus's own rows, as its run computes them: not computed twice
+        kept = keep_sample_rows(job, resolved.model_path, resolved.engine, encoded.token_ids, outputs, seconds)
+        if kept:
+            log.info("row cache: kept the gate's %d sample rows on %s for the corpus run", kept, _label(job))
     return SampleRun(outputs, encoded.token_ids, seconds, tokens)
 
 
@@ -351,8 +363,9 @@ def measure(spec: JobSpec, texts: list[str], source: str) -> GateReport:
     jobs = [_gate_job(spec, model) for model in [gate.reference, *candidate_models(spec)]]
     # `engine: auto` is resolved just before each side runs (its trials start engines too), so the
     # report names the engine that ran
-    reference_job = resolve(jobs[0])
-    reference = run_sample(reference_job, texts)
+    reference_job = resolve_job(jobs[0])
+    keep = gate.eval_file is None  # the sample is the corpus's own rows
+    reference = run_sample(reference_job, texts, keep=keep)
     lengths = length_class(sum(map(len, reference.token_ids)) / max(len(reference.token_ids), 1))
     rates = _read_verdicts().get("rates", {})
     previous, verdicts = reference_job, []
@@ -362,17 +375,17 @@ def measure(spec: JobSpec, texts: list[str], source: str) -> GateReport:
         if known and fastest and known * (1 + COST_TIE_MARGIN) < fastest:  # it could not be chosen: spare it
             verdicts.append(_not_run(job, known, fastest, spec))
             continue
-        if engine_key(previous) != engine_key(job):
-            discard_engine(resolve_model(previous.model_name), previous)
-        previous = resolve(job)
-        candidate = run_sample(previous, texts)
-        values = _agreement(spec, reference, candidate, resolve_model(reference_job.model_name))
+        if engine_key(previous.spec) != engine_key(job):
+            discard_engine(previous.model_path, previous.spec)
+        previous = resolve_job(job)
+        candidate = run_sample(previous, texts, keep=keep)
+        values = _agreement(spec, reference, candidate, reference_job.model_path)
         metrics = [GateMetric(name=name, value=values[name], threshold=limit, passed=values[name] >= limit)
                    for name, limit in thresholds.items()]
-        verdicts.append(CandidateVerdict(cost=_cost(previous, candidate, spec), metrics=metrics,
+        verdicts.append(CandidateVerdict(cost=_cost(previous.spec, candidate, spec), metrics=metrics,
                                          passed=all(m.passed for m in metrics)))
         _note_rate(job, lengths, verdicts[-1].cost.tokens_per_s)
-    return GateReport.judge(spec, source, len(texts), _cost(reference_job, reference, spec), verdicts)
+    return GateReport.judge(spec, source, len(texts), _cost(reference_job.spec, reference, spec), verdicts)
 
 
 def _rate_key(job: JobSpec) -> str:
@@ -483,7 +496,7 @@ def text_similarity(first: list[str], second: list[str]) -> np.ndarray:
     """Cosine of the two texts' MiniLM embeddings, row by row (an empty pair counts as equal)."""
     job = JobSpec(mode="embed", model=ModelSpec(name=SIMILARITY_MODEL, engine="transformers"))
     both = [t if t.strip() else "(empty)" for t in first + second]
-    vectors = np.stack(run_sample(job, both).outputs)
+    vectors = np.stack(run_sample(resolve_job(job), both).outputs)
     a, b = _unit(vectors[: len(first)]), _unit(vectors[len(first):])
     return (a * b).sum(axis=1)
 

@@ -11,12 +11,11 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from tokenmill.encoding import encode_rows
-from tokenmill.engine_choice import resolve
 from tokenmill.engines import get_engine
 from tokenmill.index import INDEX_DIR, POINTER, read_pointer
 from tokenmill.index_backends import LANCE_TABLE, IndexBuildError, IndexChoice, lance_query
-from tokenmill.models import resolve_model
 from tokenmill.outputs import OutputStore
+from tokenmill.resolution import resolve_job
 from tokenmill.spec import JobSpec, ModelSpec
 
 
@@ -77,10 +76,9 @@ def embed_queries(texts: list[str], model: dict[str, Any], engine: str | None = 
     fields = {k: v for k, v in model.items() if k in ModelSpec.model_fields}
     if engine:
         fields["engine"] = engine
-    spec = resolve(JobSpec(mode="embed", model=ModelSpec(**fields)))
-    model_path = resolve_model(spec.model_name)
-    encoded = encode_rows(texts, spec, model_path)
-    return np.stack(get_engine(model_path, spec).embed(encoded.token_ids)).astype(np.float32)
+    job = resolve_job(JobSpec(mode="embed", model=ModelSpec(**fields)))
+    encoded = encode_rows(texts, job.spec, job.model_path)
+    return np.stack(get_engine(job.model_path, job.spec).embed(encoded.token_ids)).astype(np.float32)
 
 
 def search_text(output: str, texts: list[str], k: int = 10, storage_options: dict[str, Any] | None = None,

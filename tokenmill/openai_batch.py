@@ -26,6 +26,7 @@ import datetime as dt
 import json
 import posixpath
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,9 +36,8 @@ from tokenmill import progress
 from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.digest import stable_digest
 from tokenmill.engine_protocol import token_budget
-from tokenmill.engines import with_one_restart
 from tokenmill.errors import InputError
-from tokenmill.models import load_tokenizer, model_input_limit, resolve_model
+from tokenmill.models import load_tokenizer
 from tokenmill.openai_wire import (
     CHAT,
     COMPLETIONS,
@@ -57,8 +57,10 @@ from tokenmill.openai_wire import (
     result_line,
     sniff_openai_batch,
 )
-from tokenmill.outputs import OutputStore, _embedding_array, record_shard, write_shard_tables
+from tokenmill.outputs import OutputStore, _embedding_array, write_shard_tables
+from tokenmill.resolved_job import ResolvedJob
 from tokenmill.results import ShardResult
+from tokenmill.shard_pipeline import ShardSteps, run_shard_steps
 from tokenmill.shards import JSONL_SUFFIXES, first_line, list_input_files, read_first_line, read_shard_bytes
 from tokenmill.spec import JobSpec
 
@@ -68,6 +70,8 @@ ERRORS_FILE = "errors.jsonl"
 BATCH_FILE = "batch.json"
 # OpenAI's Batch object names a completion window; tokenmill has none (plan for yours: `tokenmill plan`).
 COMPLETION_WINDOW = "none"
+NEEDS_VLLM = ("OpenAI Batch generation runs each request with its own sampling parameters, which needs "
+              "model.engine: vllm")
 
 
 # --- models ----------------------------------------------------------------------------------------
@@ -183,13 +187,6 @@ def sampling_kwargs(line: BatchLine, spec: JobSpec, prompt_tokens: int, context:
     return kwargs
 
 
-def context_limit(spec: JobSpec, model_path: str) -> int:
-    limit = spec.model.max_input_tokens or model_input_limit(model_path)
-    if spec.model.engine_kwargs.get("max_model_len"):
-        limit = min(limit, int(spec.model.engine_kwargs["max_model_len"]))
-    return limit
-
-
 def matryoshka(model_path: str) -> bool:
     """Whether the model's embeddings may be cut to fewer dimensions (vLLM reads the same config keys)."""
     try:
@@ -218,34 +215,53 @@ def shard_files(store, shard_id: str) -> dict[str, str]:
             "record": posixpath.join(folder, f"{shard_id}.json")}
 
 
-def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
-    """One shard of an OpenAI Batch file: parse, check, run each request with its own parameters,
-    write the Parquet output, the rejects and the OpenAI result and error lines."""
-    started, started_at = time.perf_counter(), int(time.time())
-    model_path = resolve_model(spec.model_name)
-    if spec.mode == "generate" and spec.model.engine != "vllm":
-        if spec.model.engine == "transformers":
-            raise InputError(shard.uri, "OpenAI Batch generation runs each request with its own sampling "
-                                        "parameters, which needs model.engine: vllm")
-        spec = spec.model_copy(update={"model": spec.model.model_copy(update={"engine": "vllm"})})
-    store = OutputStore(spec.output, spec.storage_options)
+@dataclass
+class RequestsWork:
+    """A shard's requests, parsed, checked and encoded: those that run (line, token ids, sampling kwargs),
+    the custom ids of the truncated ones, the lines' errors so far (in `parsed`)."""
+
+    rows_in: int
+    parsed: ParsedLines
+    first_endpoint: str | None
+    runnable: list
+    truncated: dict[str, bool]
+    started_at: int
+
+    @property
+    def rows(self) -> int:
+        return len(self.runnable)
+
+    @property
+    def to_run(self) -> int:
+        return len(self.runnable)
+
+
+def _prepare_requests(shard, job: ResolvedJob, engine_name: str) -> RequestsWork:
+    """Parse, check and encode the shard's lines; a line that cannot run becomes an error line."""
+    started_at = int(time.time())
+    spec = job.spec
+    if spec.mode == "generate" and job.engine != "vllm":  # resolve_job moves an OpenAI Batch input to vLLM;
+        raise InputError(shard.uri, NEEDS_VLLM)            # this is a later file of an input that mixes formats
     parsed = parse_lines(read_shard_bytes(shard, spec.storage_options), shard.byte_start)
-    rows_in = parsed.rows_in
+    rows_in = parsed.rows_in  # before the checks below move lines to errors
     first_endpoint = _first_endpoint(shard, spec)
     check_endpoints(parsed, spec, shard.uri, first_endpoint)
-    check_models(parsed, spec, model_path)
-    runnable, truncated = _encode_requests(parsed, spec, model_path)
+    check_models(parsed, spec, job.model_path)
+    runnable, truncated = _encode_requests(parsed, job)
+    return RequestsWork(rows_in, parsed, first_endpoint, runnable, truncated, started_at)
 
-    progress.emit("shard_started", shard_id=shard.shard_id, rows=len(runnable))
-    outputs: list = []
-    engine_seconds = 0.0
-    if runnable:
-        outputs, engine_seconds = with_one_restart(
-            lambda current: _run_requests(current, spec, runnable, shard.shard_id),
-            engine, model_path, spec, shard.shard_id)
-    results, rows, input_tokens, output_tokens = _answers(runnable, outputs, truncated, spec, shard.fingerprint)
 
-    errors = sorted(parsed.errors, key=lambda e: e.offset)
+def _run_request_work(engine, work: RequestsWork, job: ResolvedJob, shard_id: str) -> tuple[list, float]:
+    return _run_requests(engine, job.spec, work.runnable, shard_id)
+
+
+def _write_requests(store: OutputStore, shard, job: ResolvedJob, work: RequestsWork, ran, engine_name: str,
+                    started: float) -> ShardResult:
+    """The Parquet output and rejects, the OpenAI result and error lines, the shard's record and result."""
+    spec, runnable = job.spec, work.runnable
+    outputs, engine_seconds = ran or ([], 0.0)
+    results, rows, input_tokens, output_tokens = _answers(runnable, outputs, work.truncated, spec, shard.fingerprint)
+    errors = sorted(work.parsed.errors, key=lambda e: e.offset)
     error_lines = [error_line(stable_digest([shard.fingerprint, e.offset], 24), e) for e in errors]
     files = shard_files(store, shard.shard_id)
     write_shard_tables(store, shard.shard_id, shard.uri, _output_table(rows, spec.mode),
@@ -253,19 +269,28 @@ def run_openai_batch_shard(shard, spec: JobSpec, engine=None):
     store.write_bytes(files["output"], jsonl_bytes(results))
     store.write_bytes(files["errors"], jsonl_bytes(error_lines))
     endpoints = sorted({line.url for line, _, _ in runnable} | {
-        e for e in (first_endpoint,) if e in ENDPOINT_MODES})
+        e for e in (work.first_endpoint,) if e in ENDPOINT_MODES})
     store.write_json(files["record"], {"shard_id": shard.shard_id, "uri": shard.uri, "endpoints": endpoints,
                                        "completed": len(results), "failed": len(error_lines),
                                        "input_tokens": input_tokens, "output_tokens": output_tokens,
-                                       "started_at": started_at, "finished_at": int(time.time())})
+                                       "started_at": work.started_at, "finished_at": int(time.time())})
     lengths = [sum(len(ids) for ids in token_ids) for _, token_ids, _ in runnable]
-    return record_shard(store, ShardResult(
+    return ShardResult(
         shard_id=shard.shard_id, fingerprint=shard.fingerprint, uri=shard.uri,
-        output=store.shard_output(shard.shard_id), rows_in=rows_in, rows_out=len(results),
-        rows_rejected=len(error_lines), rows_truncated=sum(truncated.values()), input_tokens=input_tokens,
+        output=store.shard_output(shard.shard_id), rows_in=work.rows_in, rows_out=len(results),
+        rows_rejected=len(error_lines), rows_truncated=sum(work.truncated.values()), input_tokens=input_tokens,
         output_tokens=output_tokens, batches=max(1, -(-len(runnable) // 4096)) if runnable else 0,
         real_tokens=sum(lengths), padded_slots=sum(lengths), baseline_padded_slots=sum(lengths),
-        engine_seconds=engine_seconds, seconds=time.perf_counter() - started))
+        engine_seconds=engine_seconds, seconds=time.perf_counter() - started)
+
+
+OPENAI_BATCH_STEPS = ShardSteps(prepare=_prepare_requests, run=_run_request_work, write=_write_requests)
+
+
+def run_openai_batch_shard(shard, job: ResolvedJob, engine=None) -> ShardResult:
+    """One shard of an OpenAI Batch file: parse, check, run each request with its own parameters,
+    write the Parquet output, the rejects and the OpenAI result and error lines."""
+    return run_shard_steps(shard, job, engine, OPENAI_BATCH_STEPS)
 
 
 def _first_endpoint(shard, spec: JobSpec) -> str | None:
@@ -279,12 +304,11 @@ def _first_endpoint(shard, spec: JobSpec) -> str | None:
         return None
 
 
-def _encode_requests(parsed: ParsedLines, spec: JobSpec, model_path: str):
+def _encode_requests(parsed: ParsedLines, job: ResolvedJob):
     """(runnable requests as (line, token ids, sampling kwargs), custom ids of the truncated ones); a
     request that cannot run here becomes a line error in `parsed`."""
-    tokenizer = load_tokenizer(model_path)
-    context = context_limit(spec, model_path)
-    can_cut = matryoshka(model_path) if spec.mode == "embed" else False
+    spec, tokenizer, context = job.spec, load_tokenizer(job.model_path), job.context_limit
+    can_cut = matryoshka(job.model_path) if spec.mode == "embed" else False
     runnable: list[tuple[BatchLine, list[list[int]], Any]] = []  # line, token ids, sampling kwargs
     truncated: dict[str, bool] = {}
     for line in parsed.lines:

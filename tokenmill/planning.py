@@ -133,7 +133,11 @@ def rows_per_shard(spec: JobSpec, shards) -> list[int]:
 
 
 def _jsonl_bytes_per_row(spec: JobSpec, shards) -> float:
-    first = next(s for s in shards if s.expected_rows is None and s.byte_end > s.byte_start)
+    """Bytes per row of the first JSONL shard that has bytes; with none (every JSONL file empty), any
+    positive figure: each of those shards then counts 0 rows."""
+    first = next((s for s in shards if s.expected_rows is None and s.byte_end > s.byte_start), None)
+    if first is None:
+        return 1.0
     table, bad = read_shard(first, [spec.id_column, spec.text_column], spec.storage_options)
     return (first.byte_end - first.byte_start) / max(table.num_rows + len(bad), 1)
 

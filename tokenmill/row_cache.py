@@ -603,6 +603,27 @@ def reuse_rows(spec: JobSpec, model_path: str, engine_name: str, token_ids: list
                     rows_cache_lookups=len(token_ids) if cache is not None else 0)
 
 
+def keep_sample_rows(spec: JobSpec, model_path: str, engine_name: str, token_ids: list[list[int]],
+                     outputs: list, engine_seconds: float) -> int:
+    """Store rows an engine computed outside a shard (the eval gate's sample of the corpus) as the shard
+    pipeline would, so the corpus run answers them from the cache instead of computing them again; the
+    number of rows stored (0 when this job's cache is off or bypassed, or the write failed)."""
+    if not spec.cache.enabled or bypass_reason(spec, engine_name) or not token_ids:
+        return 0
+    cache = RowCache.for_job(spec, model_path, engine_name)
+    keys = cache.keys(token_ids)
+    fresh = {key: i for i, key in enumerate(keys) if key not in cache.contains(keys)}
+    if not fresh:
+        return 0
+    tokens = sum(len(ids) + _output_tokens(r) for ids, r in zip(token_ids, outputs))
+    entries = [Entry(key, outputs[i], len(token_ids[i]), _output_tokens(outputs[i])) for key, i in fresh.items()]
+    if cache.write(entries, engine_seconds / tokens if tokens else 0.0) is None:
+        return 0
+    if spec.cache.max_bytes is not None:
+        cache.evict(spec.cache.max_bytes)
+    return len(entries)
+
+
 def _output_tokens(result: Any) -> int:
     return int(getattr(result, "output_tokens", 0) or 0)
 

@@ -1,4 +1,5 @@
-"""One shard, end to end: read, validate, tokenize, bucket, run, reorder, write.
+"""One shard, end to end: read, validate, tokenize, bucket, run, reorder, write (the rows' steps of the
+shard skeleton in tokenmill.shard_pipeline; OpenAI Batch requests take theirs from tokenmill.openai_batch).
 
 Plain Python, so tests and other orchestrators can call it without Prefect.
 """
@@ -9,11 +10,11 @@ import itertools
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from functools import partial
+from dataclasses import dataclass
 
 import pyarrow as pa
 
-from tokenmill import progress, timeline
+from tokenmill import progress
 from tokenmill.bucketing import (
     PaddingStats,
     fixed_batches,
@@ -23,14 +24,14 @@ from tokenmill.bucketing import (
 )
 from tokenmill.encoding import EncodedRows, encode_rows
 from tokenmill.engine_protocol import Engine, run_engine, token_budget
-from tokenmill.engines import get_engine, with_one_restart
-from tokenmill.memory import HeapGuard, release_freed_heap
-from tokenmill.models import resolve_model
-from tokenmill.openai_batch import run_openai_batch_shard
-from tokenmill.outputs import OutputStore, build_output, record_shard, structured_invalid_rows, write_shard_tables
+from tokenmill.memory import HeapGuard
+from tokenmill.openai_batch import OPENAI_BATCH_STEPS
+from tokenmill.outputs import OutputStore, build_output, structured_invalid_rows, write_shard_tables
 from tokenmill.prompts import prefix_order, prompt_inputs, read_columns, validate_job_rows
+from tokenmill.resolved_job import ResolvedJob
 from tokenmill.results import ShardResult
-from tokenmill.row_cache import reuse_rows
+from tokenmill.row_cache import RowReuse, reuse_rows
+from tokenmill.shard_pipeline import ShardSteps, run_shard_steps
 from tokenmill.shards import ROW_NUMBER, ShardSpec, read_shard
 from tokenmill.spec import JobSpec
 
@@ -79,62 +80,82 @@ def feed_padding(lengths: list[int], calls: list[list[int]], engine_name: str) -
     return PaddingStats(real, real)
 
 
-def run_shard(shard: ShardSpec, spec: JobSpec, engine: Engine | None = None) -> ShardResult:
-    """One shard of the resolved job (`engine: auto` already chosen: tokenmill.engine_choice.resolve), on
-    `engine`, or on the process's engine for the job when there are rows to run."""
-    if shard.format == "openai-batch":  # a request per line, each with its own parameters
-        return run_openai_batch_shard(shard, spec, engine)
-    started = time.perf_counter()
-    timeline.mark("first_shard_started")
-    model_path = resolve_model(spec.model_name)
-    store = OutputStore(spec.output, spec.storage_options)
+def run_shard(shard: ShardSpec, job: ResolvedJob, engine: Engine | None = None) -> ShardResult:
+    """One shard of the resolved job (tokenmill.resolution.resolve_job), on `engine`, or on the process's
+    engine for the job when there are rows to run: its rows, or its OpenAI Batch requests (each with
+    its own parameters), through the one shard skeleton (tokenmill.shard_pipeline)."""
+    steps = OPENAI_BATCH_STEPS if job.pipeline_of(shard.format) == "openai-batch" else ROW_STEPS
+    return run_shard_steps(shard, job, engine, steps)
 
-    rows_in, valid, encoded, rejects = _read_validate_encode(shard, spec, model_path)
-    lengths = [len(ids) for ids in encoded.token_ids]
+
+@dataclass
+class RowsWork:
+    """A shard's rows, read, validated and encoded: what the engine computes of them (token_ids: the rows
+    neither the row cache nor a duplicate in the shard answers) and how every row's output is made."""
+
+    rows_in: int
+    valid: pa.Table
+    encoded: EncodedRows
+    rejects: list
+    reuse: RowReuse
+    token_ids: list[list[int]]
+
+    @property
+    def rows(self) -> int:
+        return self.valid.num_rows
+
+    @property
+    def to_run(self) -> int:
+        return len(self.token_ids)
+
+
+def _prepare_rows(shard: ShardSpec, job: ResolvedJob, engine_name: str) -> RowsWork:
+    rows_in, valid, encoded, rejects = _read_validate_encode(shard, job.spec, job.model_path)
     # the row cache and duplicate collapse: the engine runs only the rows in reuse.compute
-    reuse = reuse_rows(spec, model_path, engine.name if engine is not None else spec.model.engine,
-                       encoded.token_ids)
-    token_ids = [encoded.token_ids[i] for i in reuse.compute]
-    computed_lengths = [len(ids) for ids in token_ids]
-    if engine is None and token_ids:
-        engine = get_engine(model_path, spec)  # the engine the job was resolved to; how to feed depends on it
-    engine_name = engine.name if engine is not None else spec.model.engine
-    batches = _feed(token_ids, spec, engine_name, engine)
-    progress.emit("shard_started", shard_id=shard.shard_id, rows=valid.num_rows)
-    engine_seconds = 0.0
-    results_by_batch: list = []
-    if batches:
-        timeline.mark("first_engine_call")  # a job's shards only: a gate's sample runs through run_batches too
-        results_by_batch, engine_seconds = with_one_restart(
-            partial(run_batches, batches=batches, token_ids=token_ids, spec=spec, shard_id=shard.shard_id),
-            engine, model_path, spec, shard.shard_id)
+    reuse = reuse_rows(job.spec, job.model_path, engine_name, encoded.token_ids)
+    return RowsWork(rows_in, valid, encoded, rejects, reuse, [encoded.token_ids[i] for i in reuse.compute])
+
+
+def _run_rows(engine: Engine, work: RowsWork, job: ResolvedJob, shard_id: str) -> tuple[list, float, list[list[int]]]:
+    """(results per engine call, seconds in the engine, the calls): how to feed depends on the engine."""
+    batches = _feed(work.token_ids, job.spec, engine.name, engine)
+    results_by_batch, engine_seconds = run_batches(engine, batches, work.token_ids, job.spec, shard_id)
+    return results_by_batch, engine_seconds, batches
+
+
+def _write_rows(store: OutputStore, shard: ShardSpec, job: ResolvedJob, work: RowsWork, ran, engine_name: str,
+                started: float) -> ShardResult:
+    """Every row's output in input order (computed, from the row cache, or a duplicate's), written with the
+    rejects; the shard's result."""
+    spec = job.spec
+    results_by_batch, engine_seconds, batches = ran or ([], 0.0, [])
     computed = restore_order(batches, results_by_batch)
-    results = reuse.outputs(computed, engine_seconds)  # every row, in input order; new entries stored
+    results = work.reuse.outputs(computed, engine_seconds)  # every row, in input order; new entries stored
     if len(results) > len(computed):
         progress.emit("rows_done", shard_id=shard.shard_id, rows=len(results) - len(computed))
-
-    output = build_output(valid, spec, results, lengths, encoded.truncated)
-    write_shard_tables(store, shard.shard_id, shard.uri, output, sorted(rejects, key=lambda r: r[0]),
+    lengths = [len(ids) for ids in work.encoded.token_ids]
+    output = build_output(work.valid, spec, results, lengths, work.encoded.truncated)
+    write_shard_tables(store, shard.shard_id, shard.uri, output, sorted(work.rejects, key=lambda r: r[0]),
                        shard.format == "jsonl")
+    computed_lengths = [len(ids) for ids in work.token_ids]
     ours = feed_padding(computed_lengths, batches, engine_name)
     baseline = padding_stats(computed_lengths,
                              fixed_batches(len(computed_lengths), spec.batching.baseline_batch_size))
-    result = ShardResult(
+    return ShardResult(
         shard_id=shard.shard_id, fingerprint=shard.fingerprint, uri=shard.uri,
-        output=store.shard_output(shard.shard_id), rows_in=rows_in, rows_out=output.num_rows,
-        rows_rejected=len(rejects), rows_truncated=sum(encoded.truncated), input_tokens=sum(lengths),
+        output=store.shard_output(shard.shard_id), rows_in=work.rows_in, rows_out=output.num_rows,
+        rows_rejected=len(work.rejects), rows_truncated=sum(work.encoded.truncated), input_tokens=sum(lengths),
         output_tokens=int(pa.compute.sum(output.column("output_tokens")).as_py() or 0), batches=len(batches),
         real_tokens=ours.real_tokens, padded_slots=ours.padded_slots, baseline_padded_slots=baseline.padded_slots,
         engine_seconds=engine_seconds, seconds=time.perf_counter() - started, engine=engine_name if batches else "",
         structured_invalid_rows=structured_invalid_rows(output),
         prompt_cached_tokens=sum(g.cached_prompt_tokens for g in computed)
         if spec.mode == "generate" and engine_name in UNPADDED_ENGINES else None,
-        **reuse.record(),
+        **work.reuse.record(),
     )
-    record_shard(store, result)
-    del output, results, computed, results_by_batch, encoded, token_ids, valid, reuse
-    release_freed_heap()  # the shard's activations and tables: back to the system, not kept by the heap
-    return result
+
+
+ROW_STEPS = ShardSteps(prepare=_prepare_rows, run=_run_rows, write=_write_rows)
 
 
 def _read_validate_encode(shard: ShardSpec, spec: JobSpec, model_path: str) -> tuple[int, pa.Table, EncodedRows, list]:

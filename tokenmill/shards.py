@@ -82,9 +82,7 @@ def discover_shards(
 def _plan_file(fs, root: str, path: str, fmt: str, max_shard_rows: int, max_shard_bytes: int) -> list[ShardSpec]:
     """The shards of one file. A file with no rows still gets one (empty) shard, so the
     manifest accounts for it instead of the file vanishing from the job."""
-    file_format = detect_format(path, fmt)
-    if file_format == "jsonl" and fmt == "auto" and sniff_openai_batch(first_line(fs, path)):
-        file_format = "openai-batch"
+    file_format = file_format_of(fs, path, fmt)
     info = fs.info(path)
     uri = fs.unstrip_protocol(path) if fs.protocol not in ("file", ("file", "local")) else path
     base = dict(uri=uri, format=file_format, file_size=int(info.get("size") or 0), file_version=_file_version(info))
@@ -101,6 +99,25 @@ def _plan_file(fs, root: str, path: str, fmt: str, max_shard_rows: int, max_shar
     return [_finish(ShardSpec(shard_id=f"{name}.b{start:012d}-{end:012d}", byte_start=start, byte_end=end,
                               data_bytes=end - start, **base))
             for start, end in ranges]
+
+
+def file_format_of(fs, path: str, fmt: str = "auto") -> Literal["parquet", "jsonl", "openai-batch"]:
+    """A file's format: as the job names it, else by its extension, and a .jsonl file whose first line
+    is an OpenAI Batch request is one."""
+    file_format = detect_format(path, fmt)
+    if file_format == "jsonl" and fmt == "auto" and sniff_openai_batch(first_line(fs, path)):
+        return "openai-batch"
+    return file_format
+
+
+def input_format(input_uri: str, fmt: str = "auto", storage_options: dict[str, Any] | None = None) -> str | None:
+    """The format of the input's first file, as discovery reads it; None where the input cannot be
+    listed or read (the job reports what is wrong with its input when it discovers its shards)."""
+    try:
+        fs, _, files = list_input_files(input_uri, storage_options)
+        return file_format_of(fs, files[0], fmt)
+    except (InputError, OSError):
+        return None
 
 
 def list_input_files(input_uri: str, storage_options: dict[str, Any] | None = None):

@@ -478,11 +478,11 @@ class CacheSpec(_Spec):
         "requests are cached (embeddings; greedy generation, or sampling with a fixed seed on vLLM); the rest "
         "bypass it, and the run record says so. false: no lookups, no writes.")
     uri: str | None = Field(
-        None, description="Where the entries live; local or s3:// (the job's storage_options apply). A location "
-        "shared by many jobs lets them share entries. Empty: <output>/_cache.")
+        None, title="URI", description="Where the entries live; local or s3:// (the job's storage_options apply). "
+        "A location shared by many jobs lets them share entries. Empty: the _cache folder under the output.")
     max_bytes: int | None = Field(
-        None, ge=0, description="Cap on the entries' size under uri; the oldest files (locally: least recently "
-        "used) are evicted after each write. Empty: no cap.")
+        None, ge=0, title="Max Bytes", description="Cap on the entries' size under uri; the oldest files (locally: "
+        "least recently used) are evicted after each write. Empty: no cap.")
     collapse_duplicates: bool = Field(
         True, description="Rows with identical inputs in a shard are computed once and the output fanned out to "
         "each of them (deterministic requests only), whether or not the cache is enabled.")
