@@ -39,9 +39,10 @@ def test_the_cap_is_the_largest_batch_within_share_of_the_slo():
 
 
 def test_aimd_halves_under_live_pressure_and_climbs_back_one_by_one():
-    aimd = Aimd(cap=8, budget_s=0.4)
+    aimd = Aimd(cap=8, slo_s=1.0)
     busy = ServerLoad(waiting=3, running=10)  # 8 of ours running, live requests queue
-    assert aimd.update(busy, ours=8, ttft=None, elapsed_s=1) == 4
+    assert aimd.update(busy, ours=8, ttft=None, elapsed_s=1) == 8  # one read of a queue: between two steps
+    assert aimd.update(busy, ours=8, ttft=None, elapsed_s=1) == 4  # still queued at the next read
     assert aimd.update(busy, ours=4, ttft=None, elapsed_s=1) == 2
     assert aimd.update(busy, ours=2, ttft=None, elapsed_s=1) == 1
     assert aimd.update(busy, ours=1, ttft=None, elapsed_s=1) == 0  # yields entirely
@@ -53,12 +54,13 @@ def test_aimd_halves_under_live_pressure_and_climbs_back_one_by_one():
 
 
 def test_only_live_load_is_pressure():
-    aimd = Aimd(cap=8, budget_s=0.4)
-    # our own 8 running and 2 of ours waiting: no live request, no pressure
+    aimd = Aimd(cap=8, slo_s=0.5)
+    # our own 8 running and 2 of ours waiting, twice: no live request, no pressure
     assert not aimd.pressure(ServerLoad(waiting=2, running=8), ours=10, ttft=None)
-    # live requests running, nothing queued, first tokens in time: room to grow
-    assert not aimd.pressure(ServerLoad(waiting=0, running=10), ours=8, ttft=0.1)
-    # live requests, first tokens late
+    assert not aimd.pressure(ServerLoad(waiting=2, running=8), ours=10, ttft=None)
+    # live requests running, nothing queued, first tokens within the SLO: room to grow
+    assert not aimd.pressure(ServerLoad(waiting=0, running=10), ours=8, ttft=0.4)
+    # live requests, first tokens over the SLO
     assert aimd.pressure(ServerLoad(waiting=0, running=10), ours=8, ttft=0.9)
 
 

@@ -79,6 +79,42 @@ def test_a_generation_job_through_the_server(server, tmp_path):
     assert "KEY" not in str(params).upper()
 
 
+def test_an_openai_batch_file_through_the_server(server, tmp_path):
+    """An OpenAI Batch file on engine openai-server: each line's own sampling reaches the server, answers
+    in OpenAI's schema, a bad line an error line (rows in = results + errors)."""
+    import json
+
+    from openai.types import Batch
+    from openai.types.chat import ChatCompletion
+
+    from tokenmill.flows.batch import batch_flow
+    from tokenmill.openai_batch import OPENAI_DIR
+
+    def line(custom_id, question, max_tokens):
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": MODEL, "messages": [{"role": "user", "content": question}],
+                         "max_tokens": max_tokens, "temperature": 0}}
+
+    lines = [line("short", "Tell me about rivers.", 2), line("long", "Tell me about mountains.", 12),
+             "not json", line("other", "Name a fruit.", 6)]
+    (tmp_path / "in.jsonl").write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    job = server_job(tmp_path, server.url, mlflow_uri=server.mlflow, probe=False, max_in_flight=4)
+    record = batch_flow(job.model_copy(update={"input": str(tmp_path / "in.jsonl"),
+                                               "generation": job.generation.model_copy(update={"messages": None})}))
+    assert record.metrics["rows_in"] == 4 == record.metrics["rows_out"] + record.metrics["rows_rejected"]
+    assert record.metrics["server_requests"] >= 3  # answered by the server, not an engine of our own
+    out = tmp_path / "out" / OPENAI_DIR
+    answers = {r["custom_id"]: ChatCompletion.model_validate(r["response"]["body"])
+               for r in map(json.loads, (out / "output.jsonl").read_text().splitlines())}
+    assert set(answers) == {"short", "long", "other"}
+    assert answers["short"].usage.completion_tokens <= 2 < answers["long"].usage.completion_tokens <= 12
+    assert all(a.choices[0].message.content for a in answers.values())
+    (error,) = map(json.loads, (out / "errors.jsonl").read_text().splitlines())
+    assert error["error"]["code"] == "invalid_json"
+    counts = Batch.model_validate_json((out / "batch.json").read_text()).request_counts
+    assert (counts.total, counts.completed, counts.failed) == (4, 3, 1)
+
+
 def test_preflight_names_the_url_or_the_model(server, tmp_path):
     from tokenmill.flows.batch import batch_flow
 

@@ -100,15 +100,19 @@ def recent_ttft(before: ServerLoad | None, now: ServerLoad) -> float | None:
 class Aimd:
     """The batch's in-flight window: +1 per quiet read, times `decrease` under pressure, within [0, cap].
 
-    Pressure: live requests on the server (running + waiting beyond the batch's own in flight) while requests
-    queue, or live time to first token over the budget. At 0 the batch sends nothing until the load falls."""
+    Pressure: live requests on the server (running + waiting beyond the batch's own in flight) and either
+    requests queued at two reads in a row (one read catches requests that arrived between two steps) or
+    the time to first token over the SLO. The cap keeps a live request's added wait within share x SLO;
+    the window answers live load beyond what the cap was sized for. At 0 the batch sends nothing until
+    the load falls."""
 
     cap: int
-    budget_s: float  # share * SLO: the wait a live request may see
+    slo_s: float  # the live requests' time-to-first-token objective
     decrease: float = 0.5
     window: float = field(default=-1.0)
     yielded_s: float = 0.0  # seconds spent below the cap
     decreases: int = 0
+    queued: bool = False  # requests were waiting at the last read
 
     def __post_init__(self) -> None:
         if self.window < 0:
@@ -120,7 +124,8 @@ class Aimd:
 
     def pressure(self, load: ServerLoad, ours: int, ttft: float | None) -> bool:
         live = load.running + load.waiting - ours
-        return live > 0 and (load.waiting > 0 or (ttft is not None and ttft > self.budget_s))
+        queued, self.queued = self.queued, load.waiting > 0
+        return live > 0 and ((queued and load.waiting > 0) or (ttft is not None and ttft > self.slo_s))
 
     def update(self, load: ServerLoad, ours: int, ttft: float | None, elapsed_s: float) -> int:
         """The window after one read of the load, `elapsed_s` after the last (time below the cap is yielded)."""

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 PROBE_SIZES = (1, 2, 4, 8, 16)  # items at once in the probe's rounds: o and c are fitted over them
 PROBE_REPEATS = 2
+PROBE_TOKENS = 16  # tokens a generation probe's long requests ask for: the decode steps it times
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 FIRST_BACKOFF_S = 0.5
 # the OpenAI completions fields a SamplingParams keyword goes under as is; the rest go in extra_body (vLLM's)
@@ -339,29 +340,47 @@ class ServerEngine(Engine):
             log.info("%s: o = %.1f ms, c = %.1f ms per item; in-flight cap %d (share %.2f x SLO %.0f ms)",
                      self.url, self.cost.overhead_s * 1000, self.cost.per_item_s * 1000, cap, self.server.share,
                      self.server.slo_ms)
-        self.aimd = Aimd(cap=cap, budget_s=budget_s)
+        self.aimd = Aimd(cap=cap, slo_s=self.server.slo_ms / 1000.0)
         self.stats.peak_in_flight = 0  # the probe's rounds go up to 8 at once: the cap counts from here
         if self.server.adapt:
             self._poller = asyncio.ensure_future(self._poll_metrics())
 
     async def _probe(self, payloads: list[dict[str, Any]], send_one) -> CallCost:
-        """Rounds of 1, 2, 4, 8, 16 concurrent one-token requests (the job's first rows), each size twice and
-        its faster round kept (a busy server's noise only ever adds time); no size past the budget."""
-        probe_payloads = [_one_token(p) for p in payloads[: max(PROBE_SIZES)]]
+        """Step time against items in flight, over rounds of 1, 2, 4, 8, 16 concurrent requests (the job's
+        first rows; no size past the budget), o and c fitted over them.
+
+        What a live request arriving behind the batch waits for is one server step, not a whole request.
+        An embedding request is one step: its round's time. A generation request is a prefill step and
+        then one decode step per token, every sequence in flight in each: a round of PROBE_TOKENS-token
+        requests less a round of one-token requests (same rows, same size), over the tokens between, is
+        the time of one decode step at that size (HTTP, tokenizing and prefill cancel out)."""
+        rows = payloads[: max(PROBE_SIZES)]
         points: list[tuple[int, float]] = []
         budget_s = self.server.share * self.server.slo_ms / 1000.0
         for size in PROBE_SIZES:
-            # two sizes at least; no bigger round than the budget already ruled out
-            if len(points) >= 2 and (size > len(probe_payloads) or points[-1][1] > budget_s):
+            if len(points) >= 2 and (size > len(rows) or points[-1][1] > budget_s):
                 break
-            chosen = [probe_payloads[i % len(probe_payloads)] for i in range(size)]
-            rounds = []
-            for _ in range(PROBE_REPEATS):
-                started = time.perf_counter()
-                await asyncio.gather(*(send_one(p) for p in chosen))
-                rounds.append(time.perf_counter() - started)
-            points.append((size, min(rounds)))
+            chosen = [rows[i % len(rows)] for i in range(size)]
+            one, _ = await self._fastest_round([_tokens(p, 1) for p in chosen], send_one)
+            if self.mode == "embed":
+                points.append((size, one))
+                continue
+            many, produced = await self._fastest_round([_tokens(p, PROBE_TOKENS) for p in chosen], send_one)
+            points.append((size, max(many - one, 0.0) / max(produced - 1, 1)))
         return fit_call_cost(points)
+
+    async def _fastest_round(self, chosen: list[dict[str, Any]], send_one) -> tuple[float, int]:
+        """The faster of PROBE_REPEATS rounds of the requests at once (a busy server's noise only adds time),
+        with the most tokens any of its requests generated."""
+        best, produced = float("inf"), 1
+        for _ in range(PROBE_REPEATS):
+            started = time.perf_counter()
+            answers = await asyncio.gather(*(send_one(p) for p in chosen))
+            elapsed = time.perf_counter() - started
+            if elapsed < best:
+                best = elapsed
+                produced = max((a.output_tokens for a in answers if isinstance(a, Generation)), default=1)
+        return best, produced
 
     async def _poll_metrics(self) -> None:
         before, last = None, time.perf_counter()
@@ -461,8 +480,12 @@ def _token_id(token: str) -> int | None:
     return int(token.split(":", 1)[1]) if token.startswith("token_id:") else None
 
 
-def _one_token(payload: dict[str, Any]) -> dict[str, Any]:
-    return {**payload, "max_tokens": 1, "n": 1} if "prompt" in payload else payload
+def _tokens(payload: dict[str, Any], count: int) -> dict[str, Any]:
+    """A probe's copy of a row's request: `count` tokens, one completion (an embedding request as it is)."""
+    if "prompt" not in payload:
+        return payload
+    extra = {k: v for k, v in payload.get("extra_body", {}).items() if k != "min_tokens"}
+    return {**payload, "max_tokens": count, "n": 1, **({"extra_body": extra} if extra else {})}
 
 
 def _cause(exc: BaseException) -> str:

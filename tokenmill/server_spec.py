@@ -43,14 +43,16 @@ class ServerSpec(BaseModel):
                           "(time to first token), in milliseconds.")
     share: float = Field(0.4, gt=0, le=1, description="The share of slo_ms one batch step may hold the server "
                          "for: the in-flight cap b is the largest with o + b*c <= share * slo_ms, o and c "
-                         "measured by a short probe (per-call overhead, per-item cost).")
+                         "measured by a short probe (a server step's fixed time, and its time per batch item in it).")
     max_in_flight: int | None = Field(None, ge=1, description="Most requests in flight, whatever the probe "
                                       "says. Empty: batching.max_batch_size.")
-    probe: bool = Field(True, description="Measure o and c at the start (at most 62 one-token requests); false: the "
+    probe: bool = Field(True, description="Measure o and c at the start (at most 124 short requests of the job's "
+                        "first rows); false: the "
                         "cap is max_in_flight (or batching.max_batch_size).")
     metrics_poll_seconds: float = Field(
         1.0, gt=0, description="How often the server's /metrics is read (requests waiting and running, time "
-        "to first token) to back off as live load rises (AIMD: +1 per quiet poll, halved under pressure). "
+        "to first token) to back off as live load rises (AIMD: +1 per quiet poll, halved while live requests "
+        "stay queued or first tokens come later than slo_ms). "
         "0 in-flight at worst: the batch yields entirely while live requests queue.")
     adapt: bool = Field(True, description="Back off and come back with live load (AIMD on /metrics); false: "
                         "hold the cap.")
