@@ -26,7 +26,7 @@ import argparse
 import asyncio
 import statistics
 import sys
-import threading
+import multiprocessing
 import time
 import urllib.request
 from datetime import datetime, timedelta, timezone
@@ -130,19 +130,27 @@ def batch_run(url: str, prompts: list[list[int]], seconds: float, slo_ms: float 
     return figures
 
 
+def _live_process(url: str, rate: float, count: int, answers) -> None:
+    answers.put(live_load(url, rate, count))
+
+
 def phase(server: VllmServer, rate: float, count: int, prompts, seconds: float, slo_ms: float | None,
           batch: bool = True):
     """One phase: live load (rate > 0), the batch (batch; slo_ms None: flat out), or both at once; and the
-    server's tokens/s over it."""
+    server's tokens/s over it. The live load runs in a process of its own, as live clients do: in the
+    batch's process, its TTFTs would wait on the batch client's Python for the GIL."""
     tokens_before, started = server_tokens(server.root), time.perf_counter()
     live: dict = {}
-    runner = None
+    runner, answers = None, None
     if rate > 0:
-        runner = threading.Thread(target=lambda: live.update(zip(("ttfts", "errors"), live_load(server.url, rate, count))))
+        context = multiprocessing.get_context("spawn")
+        answers = context.Queue()
+        runner = context.Process(target=_live_process, args=(server.url, rate, count, answers), daemon=True)
         runner.start()
     figures = batch_run(server.url, prompts, seconds, slo_ms) if batch else None
     if runner is not None:
-        runner.join()
+        live.update(zip(("ttfts", "errors"), answers.get(timeout=count / rate + 300)))
+        runner.join(timeout=30)
     server_rate = (server_tokens(server.root) - tokens_before) / (time.perf_counter() - started)
     return live, figures, server_rate
 

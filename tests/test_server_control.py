@@ -54,14 +54,14 @@ def test_aimd_halves_under_live_pressure_and_climbs_back_one_by_one():
 
 
 def test_only_live_load_is_pressure():
-    aimd = Aimd(cap=8, slo_s=0.5)
+    aimd = Aimd(cap=8, slo_s=0.5, share=0.4)
     # our own 8 running and 2 of ours waiting, twice: no live request, no pressure
     assert not aimd.pressure(ServerLoad(waiting=2, running=8), ours=10, ttft=None)
     assert not aimd.pressure(ServerLoad(waiting=2, running=8), ours=10, ttft=None)
-    # live requests running, nothing queued, first tokens within the SLO: room to grow
-    assert not aimd.pressure(ServerLoad(waiting=0, running=10), ours=8, ttft=0.4)
-    # live requests, first tokens over the SLO
-    assert aimd.pressure(ServerLoad(waiting=0, running=10), ours=8, ttft=0.9)
+    # live requests running, nothing queued, first tokens within the SLO and the wait the cap allows
+    assert not aimd.pressure(ServerLoad(waiting=0, running=10), ours=8, ttft=0.69)
+    # live requests, first tokens later than that
+    assert aimd.pressure(ServerLoad(waiting=0, running=10), ours=8, ttft=0.71)
 
 
 PROMETHEUS = """# HELP vllm:num_requests_running Number of requests in model execution batches.

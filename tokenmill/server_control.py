@@ -102,12 +102,14 @@ class Aimd:
 
     Pressure: live requests on the server (running + waiting beyond the batch's own in flight) and either
     requests queued at two reads in a row (one read catches requests that arrived between two steps) or
-    the time to first token over the SLO. The cap keeps a live request's added wait within share x SLO;
-    the window answers live load beyond what the cap was sized for. At 0 the batch sends nothing until
-    the load falls."""
+    the mean time to first token over (1 + share) x SLO, what the cap was sized to allow (the server's
+    histogram holds the batch's own requests too, which wait behind every live one). The cap keeps a
+    live request's added wait within share x SLO; the window answers live load beyond what the cap was
+    sized for. At 0 the batch sends nothing until the load falls."""
 
     cap: int
     slo_s: float  # the live requests' time-to-first-token objective
+    share: float = 0.4  # of slo_s, the wait one batch step may add
     decrease: float = 0.5
     window: float = field(default=-1.0)
     yielded_s: float = 0.0  # seconds spent below the cap
@@ -125,7 +127,7 @@ class Aimd:
     def pressure(self, load: ServerLoad, ours: int, ttft: float | None) -> bool:
         live = load.running + load.waiting - ours
         queued, self.queued = self.queued, load.waiting > 0
-        return live > 0 and ((queued and load.waiting > 0) or (ttft is not None and ttft > self.slo_s))
+        return live > 0 and ((queued and load.waiting > 0) or (ttft is not None and ttft > (1 + self.share) * self.slo_s))
 
     def update(self, load: ServerLoad, ours: int, ttft: float | None, elapsed_s: float) -> int:
         """The window after one read of the load, `elapsed_s` after the last (time below the cap is yielded)."""

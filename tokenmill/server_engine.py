@@ -340,7 +340,7 @@ class ServerEngine(Engine):
             log.info("%s: o = %.1f ms, c = %.1f ms per item; in-flight cap %d (share %.2f x SLO %.0f ms)",
                      self.url, self.cost.overhead_s * 1000, self.cost.per_item_s * 1000, cap, self.server.share,
                      self.server.slo_ms)
-        self.aimd = Aimd(cap=cap, slo_s=self.server.slo_ms / 1000.0)
+        self.aimd = Aimd(cap=cap, slo_s=self.server.slo_ms / 1000.0, share=self.server.share)
         self.stats.peak_in_flight = 0  # the probe's rounds go up to 8 at once: the cap counts from here
         if self.server.adapt:
             self._poller = asyncio.ensure_future(self._poll_metrics())

@@ -52,7 +52,7 @@ class ServerSpec(BaseModel):
     metrics_poll_seconds: float = Field(
         1.0, gt=0, description="How often the server's /metrics is read (requests waiting and running, time "
         "to first token) to back off as live load rises (AIMD: +1 per quiet poll, halved while live requests "
-        "stay queued or first tokens come later than slo_ms). "
+        "stay queued or first tokens come later than (1 + share) x slo_ms). "
         "0 in-flight at worst: the batch yields entirely while live requests queue.")
     adapt: bool = Field(True, description="Back off and come back with live load (AIMD on /metrics); false: "
                         "hold the cap.")
