@@ -18,6 +18,7 @@ from tokenmill.tasks.engine import choose_engine_task
 from tokenmill.tasks.index import build_index_task
 from tokenmill.tasks.job import PrefectJob
 from tokenmill.tasks.record import JobRecord, end_run_hook, open_run_task, predict_task, record_run_task
+from tokenmill.tasks.server import prepare_server_job
 from tokenmill.tasks.shards import (
     discover_shards_task,
     reject_duplicates_task,
@@ -52,6 +53,7 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
                 logger.warning("no candidate passed the gate; running the corpus with the reference %s",
                                gate_report.reference.model)
             spec = spec.model_copy(update={"model": chosen_model(spec, gate_report)})
+        spec = prepare_server_job(spec)  # stop_by fixed; an openai-server checked before any shard
         shards = discover_shards_task(spec)
         engine_choice = None
         if spec.model.engine == "auto" and spec.dispatch == "local":  # a fleet's workers choose on their GPUs

@@ -55,6 +55,9 @@ class PrefectJob(JobSpec):
         description="Name of a Prefect Secret block whose value is a JSON object of fsspec options "
         "(key, secret, token, endpoint_url, ...), merged in when storage is opened.",
     )
+    server_key_block: str | None = Field(
+        None, description="engine openai-server: a Prefect Secret block holding the server's API key (a string), "
+        "read into the shard-running process's environment only; never logged nor recorded.")
     dispatch: Literal["local", "pool"] = Field(
         "local", description="local: every shard in this process. pool: shards fan out to GPU worker runs "
         "of the fleet's deployment; see fleet.")

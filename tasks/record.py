@@ -18,6 +18,7 @@ from tokenmill.manifest import build_manifest
 from tokenmill.models import resolve_model
 from tokenmill.report import run_metrics, summary_markdown
 from tokenmill.results import ShardResult
+from tokenmill.server_record import sharing_record
 from tokenmill.spec import JobSpec
 from tokenmill.tasks.logs import with_core_logs
 from tokenmill.tasks.storage import with_storage_secrets
@@ -189,6 +190,9 @@ def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: flo
     if engine_choice is not None:  # engine: auto, and why it ran on this engine
         params.update(engine_choice.params())
         metrics.update(engine_choice.metrics())
+    server_params, server_metrics, server_lines = sharing_record(spec, metrics)  # openai-server; sunk GPUs
+    params.update(server_params)
+    metrics.update(server_metrics)
     metrics.update(fixed_and_steady(metrics))
     metrics.update(predicted_against_measured_wall(spec, engine, engine_choice, metrics, results,
                                                    set(cached_shard_ids or ())))
@@ -201,6 +205,7 @@ def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: flo
         _open_runs.pop(str(flow_run.id), None)
     uri = resolve_tracking_uri(spec)
     summary = summary_markdown(spec, metrics, results)
+    summary += server_lines
     if engine_choice is not None:
         summary += f"- engine: auto chose {engine_choice.reason}\n"
     if gate_report is not None:

@@ -33,6 +33,7 @@ from tokenmill.runner import run_shard
 from tokenmill.shards import ShardSpec, discover_shards_for
 from tokenmill.spec import JobSpec
 from tokenmill.tasks.logs import with_core_logs
+from tokenmill.tasks.server import stop_by_passed, stopped_by_deadline, with_server_key
 from tokenmill.tasks.storage import StateStorage, with_storage_secrets
 
 
@@ -109,7 +110,7 @@ def process_shard(shard: ShardSpec, spec: JobSpec) -> ShardResult:
     """Read, validate, tokenize, run and write one shard; its result persists beside the outputs.
     The job is resolved here, before the shard moves (`engine: auto` chosen; once per process: the
     resolution is kept). The task takes the spec as written: the shard's cache key is the spec's."""
-    result = run_shard(shard, resolve_job(with_storage_secrets(spec)))
+    result = run_shard(shard, resolve_job(with_server_key(with_storage_secrets(spec))))
     return result.model_copy(update={"worker": runtime_flow_run.name or ""})
 
 
@@ -144,8 +145,16 @@ def run_shards(spec: JobSpec, shards: list[ShardSpec], keep_going: bool = False,
     runs = ShardRuns()
     with engine_scope():  # the engine ends with the loop, unless the caller holds an outer scope
         for shard in shards:
+            if stop_by_passed(spec):  # the trough is over: the next run resumes from the finished shards
+                logger.warning("stop_by %s passed: %d shards left for the next run", spec.stop_by,
+                               len(shards) - len(runs.results) - len(runs.failed))
+                break
             state = process_shard_task(shard, spec, return_state=True)
             if not state.is_completed():
+                if stopped_by_deadline(state):  # drained before stop_by: a clean stop, not a failure
+                    logger.warning("stop_by %s: shard %s drained and left for the next run", spec.stop_by,
+                                   shard.shard_id)
+                    break
                 if not keep_going:
                     state.result()  # raises the shard's error
                 runs.failed[shard.shard_id] = state.message or state.name

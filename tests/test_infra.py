@@ -48,7 +48,7 @@ def test_the_compose_stack_has_every_service_and_publishes_on_loopback_only():
 def test_deployments_share_their_settings_through_anchors():
     config = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     by_name = {d["name"]: d for d in config["deployments"]}
-    assert set(by_name) == {"nightly", "on-demand", "gpu-spot"}
+    assert set(by_name) == {"nightly", "backfill", "on-demand", "gpu-spot"}
     nightly, on_demand, worker = by_name["nightly"], by_name["on-demand"], by_name["gpu-spot"]
     # The same object, not an equal copy: written once, under `definitions`.
     assert nightly["work_pool"] is on_demand["work_pool"] is config["definitions"]["work_pools"]["cpu"]
@@ -88,6 +88,11 @@ def test_the_on_demand_deployment_asks_for_input_and_output(monkeypatch):
     validate(filled, schema, raise_on_error=True)
     assert JobSpec.model_validate(filled["spec"]).tracking.mlflow_tracking_uri == "http://mlflow:5000"
     validate(by_name["nightly"]["parameters"], schema, raise_on_error=True)
+    validate(by_name["backfill"]["parameters"], schema, raise_on_error=True)
+    from tokenmill.tasks.job import PrefectJob
+
+    backfill = PrefectJob.model_validate(by_name["backfill"]["parameters"]["spec"])
+    assert backfill.model.engine == "openai-server" and backfill.stop_by and by_name["backfill"]["schedules"][0]["cron"]
 
 
 def test_the_worker_image_copies_what_exists_and_has_both_targets():

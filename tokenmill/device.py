@@ -75,6 +75,8 @@ def engine_device(engine: str) -> str:
     transformers, vLLM's platform for vllm, "cpu" on a CPU (always, for onnxruntime and openvino)."""
     if engine in CPU_ONLY_ENGINES:
         return "cpu"
+    if engine == "openai-server":
+        return "server"  # another machine's: the record names its URL
     if engine == "transformers":
         import torch
 

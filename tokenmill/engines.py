@@ -31,8 +31,10 @@ _engines_lock = threading.RLock()
 
 def engine_key(spec: JobSpec, model_path: str | None = None) -> tuple:
     """What makes two jobs share one engine in a process (cpu_streams is set on a running engine)."""
+    server = getattr(spec, "server", None)
     return (model_path or spec.model_name, spec.mode, spec.model.model_dump_json(exclude={"cpu_streams"}),
-            spec.batching.max_batch_size)
+            spec.batching.max_batch_size,
+            (server.model_dump_json(), getattr(spec, "stop_by", None)) if server is not None else None)
 
 
 def refuse_auto(spec: JobSpec) -> JobSpec:
@@ -73,6 +75,10 @@ def start_engine(model_path: str, spec: JobSpec) -> Engine:
         from tokenmill.openvino_engine import OpenVinoEngine
 
         return OpenVinoEngine(model_path, spec)
+    if spec.model.engine == "openai-server":
+        from tokenmill.server_engine import ServerEngine
+
+        return ServerEngine(model_path, spec)
     return VLLMEngine(model_path, spec)
 
 

@@ -71,7 +71,8 @@ BATCH_FILE = "batch.json"
 # OpenAI's Batch object names a completion window; tokenmill has none (plan for yours: `tokenmill plan`).
 COMPLETION_WINDOW = "none"
 NEEDS_VLLM = ("OpenAI Batch generation runs each request with its own sampling parameters, which needs "
-              "model.engine: vllm")
+              "model.engine: vllm (or openai-server)")
+PER_REQUEST_SAMPLING = frozenset({"vllm", "openai-server"})  # engines that take each row's own sampling
 
 
 # --- models ----------------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ def _prepare_requests(shard, job: ResolvedJob, engine_name: str) -> RequestsWork
     """Parse, check and encode the shard's lines; a line that cannot run becomes an error line."""
     started_at = int(time.time())
     spec = job.spec
-    if spec.mode == "generate" and job.engine != "vllm":  # resolve_job moves an OpenAI Batch input to vLLM;
+    if spec.mode == "generate" and job.engine not in PER_REQUEST_SAMPLING:  # resolve_job moves it to vLLM;
         raise InputError(shard.uri, NEEDS_VLLM)            # this is a later file of an input that mixes formats
     parsed = parse_lines(read_shard_bytes(shard, spec.storage_options), shard.byte_start)
     rows_in = parsed.rows_in  # before the checks below move lines to errors

@@ -12,7 +12,7 @@ from tokenmill.encoding import context_limit
 from tokenmill.engine_choice import resolve, with_engine
 from tokenmill.errors import InputError
 from tokenmill.models import resolve_model
-from tokenmill.openai_batch import NEEDS_VLLM
+from tokenmill.openai_batch import NEEDS_VLLM, PER_REQUEST_SAMPLING
 from tokenmill.resolved_job import ResolvedJob
 from tokenmill.shards import input_format
 from tokenmill.spec import JobSpec
@@ -46,9 +46,10 @@ def _input_format(spec: JobSpec) -> str | None:
 
 
 def openai_batch_engine(spec: JobSpec) -> JobSpec:
-    """OpenAI Batch generation runs each request with its own sampling parameters, which only vLLM takes
-    per row: a job that names transformers is refused, any other engine runs on vLLM."""
-    if spec.model.engine == "vllm":
+    """OpenAI Batch generation runs each request with its own sampling parameters, which vLLM takes per
+    row (and a server takes per request): a job that names transformers is refused, any other engine
+    (auto, onnx, openvino) runs on vLLM."""
+    if spec.model.engine in PER_REQUEST_SAMPLING:
         return spec
     if spec.model.engine == "transformers":
         raise InputError(spec.input, NEEDS_VLLM)

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 # the scheduler: the tail of every call decodes a handful of sequences. Generating, they get a shard's rows in one
 # call, in input order, cut only every FEED_CHUNK_ROWS rows to bound memory (a shard of a huge JSONL
 # byte range); progress is emitted per call. Engines that pad (transformers) keep the length buckets.
-UNPADDED_ENGINES = frozenset({"vllm"})
+UNPADDED_ENGINES = frozenset({"vllm", "openai-server"})  # openai-server: a server that batches for itself
 FEED_CHUNK_ROWS = 4096
 # Modes fed whole to an unpadded engine. Generation only: embedding has no decode tail to keep full, and
 # measured on CPU (vLLM 0.32, all-MiniLM-L6-v2, 400 sample-corpus docs, 33k tokens) one call per shard

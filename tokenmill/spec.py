@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tokenmill.server_spec import ServerSpec, check_stop_by
+
 DEFAULT_EMBED_MODEL = "all-MiniLM-L6-v2"
 DEFAULT_GENERATE_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_INPUT = "data/sample-corpus"
@@ -93,7 +95,7 @@ class ModelSpec(_Spec):
         f"({DEFAULT_EMBED_MODEL}, {DEFAULT_GENERATE_MODEL}). Empty: the default for the mode.",
         json_schema_extra=_model_name_form,
     )
-    engine: Literal["auto", "vllm", "transformers", "onnxruntime", "openvino"] = Field(
+    engine: Literal["auto", "vllm", "transformers", "onnxruntime", "openvino", "openai-server"] = Field(
         "auto",
         description="auto: a short timed trial on the job's sample picks the engine that finishes the job "
         "soonest here (cached per model, mode and device; the reason is in the run record); it never changes "
@@ -101,7 +103,9 @@ class ModelSpec(_Spec):
         "batching, the fast path for generation and large models. transformers: plain PyTorch with length "
         "buckets, often faster for small encoders. onnxruntime: embedding models exported to ONNX once, "
         "float32 or quantized (int8, int8-partial, int4): the cheap tier on CPU. openvino: the same export run "
-        "by OpenVINO, float32 or int8 (static, calibrated by NNCF on a sample of the job's own rows).",
+        "by OpenVINO, float32 or int8 (static, calibrated by NNCF on a sample of the job's own rows). "
+        "openai-server: requests to an OpenAI-compatible server someone runs (`vllm serve`, SGLang), "
+        "described under `server`; never chosen by auto.",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
@@ -335,6 +339,13 @@ class PricingSpec(_Spec):
     gpu_count: int = Field(
         1, ge=1, title="GPUs",
         description="GPUs the job holds while it runs: GPU-hours = wall hours x this.")
+    sunk: bool = Field(
+        False, description="The GPUs are paid for whether the job runs or not (an online fleet's, backfilled "
+        "with engine openai-server): the run's usd_per_1m_tokens_marginal prices its GPU-hours at "
+        "usd_per_gpu_hour_marginal instead of the rent.")
+    usd_per_gpu_hour_marginal: float = Field(
+        0.0, ge=0.0, title="Marginal $ per GPU-Hour",
+        description="What one more GPU-hour of work costs on GPUs already paid for (power, wear); with sunk.")
 
 
 class TrackingSpec(_Spec):
@@ -563,6 +574,19 @@ class JobSpec(_Spec):
     index: IndexSpec | None = Field(
         None, title="Index", description="embed jobs: build an ANN index (FAISS or LanceDB) over the outputs "
         "under `<output>/_index/` after the shards, with recall@10 and build cost on record. Empty: no index.")
+    server: ServerSpec | None = Field(
+        None, title="Server", description="model.engine openai-server: the OpenAI-compatible server the rows are sent to, and "
+        "how the job shares it with live traffic. Empty: the engine runs in this process.")
+    stop_by: str | None = Field(
+        None, title="Stop By", description="A wall-clock time the job stops before: an ISO date-time, or HH:MM (UTC; the next "
+        "one after the job starts). No shard starts after it; on openai-server, in-flight requests drain and "
+        "nothing new is sent once a request would not finish before it. The job ends cleanly with the "
+        "finished shards, and the next run resumes from them. Empty: no limit.")
+
+    @field_validator("stop_by")
+    @classmethod
+    def _stop_by_readable(cls, value: str | None) -> str | None:
+        return check_stop_by(value)
 
     @field_validator("input", "output")
     @classmethod
@@ -590,6 +614,13 @@ class JobSpec(_Spec):
                 raise ValueError("the transformers engine does not support generation."
                                  f"{', generation.'.join(unsupported)}; use model.engine: vllm, or leave them at "
                                  "their defaults")
+        return self
+
+    @model_validator(mode="after")
+    def _server_for_server_engine(self) -> JobSpec:
+        if self.model.engine == "openai-server" and self.server is None:
+            raise ValueError("model.engine openai-server needs a server section (server.url: the server's "
+                             "OpenAI API, e.g. http://gpu-1:8000/v1)")
         return self
 
     @property
