@@ -388,7 +388,7 @@ def test_the_run_form_shows_every_jobspec_section_titled_with_its_described_fiel
 
     # the model and generation choices, offered as choices
     model = ("spec", "Model (Optional)")
-    assert shown[(*model, "Engine (Optional)")]["selects"] == [["auto", "vllm", "transformers", "onnxruntime", "openvino"]]
+    assert shown[(*model, "Engine (Optional)")]["selects"] == [["auto", "vllm", "transformers", "onnxruntime", "openvino", "openai-server"]]
     assert shown[(*model, "Dtype (Optional)")]["selects"] == [list(DTYPES)]
     assert shown[(*model, "Name (Optional)")]["choices"] == ["Path or Hugging Face name", "Built-in model"]
     assert shown[(*model, "Quantization (Optional)")]["choices"] == ["Common method", "Other vLLM method", "None"]

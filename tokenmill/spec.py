@@ -364,18 +364,28 @@ class TrackingSpec(_Spec):
         "is closed as KILLED by the next run of the job (on this machine: as soon as its process is gone).")
 
 
+class GatedModelSpec(ModelSpec):
+    """A model the gate runs here, on a sample: every engine but openai-server (a server serves what it
+    serves; the gate compares models it loads itself)."""
+
+    model_config = ConfigDict(title="Gated model")
+
+    engine: Literal["auto", "vllm", "transformers", "onnxruntime", "openvino"] = Field(
+        "auto", description="As the job's model.engine, without openai-server: the gate runs its models here.")
+
+
 class GateSpec(_Spec):
     """The eval gate: the candidate runs the corpus only if it matches the reference on a sample."""
 
     model_config = ConfigDict(title="Eval gate")
 
     # pydantic leaves a title off a $ref; the form would show the definition's ("Model")
-    reference: ModelSpec = Field(description="The model whose outputs count as right.",
+    reference: GatedModelSpec = Field(description="The model whose outputs count as right.",
                                  json_schema_extra={"title": "Reference model"})
-    candidate: ModelSpec | None = Field(
+    candidate: GatedModelSpec | None = Field(
         None, title="Candidate model", description="One cheaper model (quantized, other dtype, smaller, other engine): "
         "a ladder of one. Empty: the candidates below, or else the job's own model.")
-    candidates: list[ModelSpec] = Field(
+    candidates: list[GatedModelSpec] = Field(
         default_factory=list, title="Candidate models",
         description="A ladder of cheaper models (e.g. onnxruntime int8, int8-partial): each is judged against the "
         "reference on the same sample, and the corpus runs on the cheapest by measured $/1M tokens among those "
