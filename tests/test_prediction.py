@@ -81,10 +81,13 @@ def test_the_run_measured_its_parts_and_the_next_prediction_reads_them(job_a, mo
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(job_a["cache"]))
     stored = json.loads((job_a["cache"] / "run-parts.json").read_text())
     key = prediction.fixed_key(PrefectJob.model_validate(job_a["job"]), "transformers")
-    assert {"python imports", "orchestration start", "shard overhead per 1,000 rows", "finish", "exit"} <= set(stored[key])
+    assert {"python imports", "orchestrator API", "main thread", "flow start", "shard overhead per 1,000 rows",
+            "finish", "exit"} <= set(stored[key])
     again = prediction.predict_job(PrefectJob.model_validate(job_a["job"]))
-    for name in ("python imports", "orchestration start", "engine start", "finish", "exit"):
+    for name in ("python imports", "engine start", "finish", "exit"):
         assert again.part(name).source.startswith(("measured here", "transformers: measured here")), name
+    assert not again.part("orchestration start").is_default  # each of its parts measured by the run
+    assert again.part("orchestration start").source.count("measured here") == 3
 
 
 def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_path):
