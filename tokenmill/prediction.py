@@ -67,6 +67,7 @@ DEFAULT_SECONDS = {
 # Parts of the process around the engine, the same whichever engine runs: a device and mode's runs on one
 # engine stand for another never measured. Not the exit, which holds the engine's own shutdown.
 AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS)
+OVERHEAD = "shard overhead per 1,000 rows"
 # Per engine (and mode where they differ): start, exit, and tokens/s, for an engine never measured here.
 DEFAULT_ENGINE_START = {("vllm", "embed"): 35.0, ("vllm", "generate"): 90.0}
 DEFAULT_ENGINE_EXIT = {"vllm": 5.5}
@@ -197,13 +198,13 @@ def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> li
     return sorted(points.values())
 
 
-def stored(parts: dict[str, Any], key: str, name: str, default: float) -> tuple[float, str]:
+def stored(parts: dict[str, Any], key: str, name: str, default: float | None) -> tuple[float | None, str]:
     """A part's seconds here (the median of its last measurements) and where they came from. A part of
-    the process around the engine (imports, orchestration, overhead, finish, exit) that runs on this
-    engine never measured is read from runs on another engine of this device and mode, and says so."""
+    the process around the engine (AROUND_THE_ENGINE) that runs on this engine never measured is read
+    from runs on another engine of this device and mode, and says so."""
     values = parts.get(key, {}).get(name)
     source = f"measured here, median of {len(values or [])} run{'s' if len(values or []) > 1 else ''}"
-    if not values and name in AROUND_THE_ENGINE:
+    if not values and name.split("@")[0] in AROUND_THE_ENGINE:
         device, engine, mode = key.split("|")
         other = next((k for k, v in sorted(parts.items()) if v.get(name) and k.count("|") == 2
                       and k.startswith(f"{device}|") and k.endswith(f"|{mode}")), None)
@@ -211,7 +212,7 @@ def stored(parts: dict[str, Any], key: str, name: str, default: float) -> tuple[
             values = parts[other][name]
             source = f"measured here on {other.split('|')[1]}, median of {len(values)} run{'s' if len(values) > 1 else ''}"
     if not values:
-        return default, f"default: never measured here, {default:g} s"
+        return default, "default: never measured here" + (f", {default:g} s" if default is not None else "")
     return statistics.median(values), source
 
 
@@ -398,11 +399,14 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> 
         out.append(trials_part(spec, sample, parts, able))
     engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts)
     out += [start, engine_seconds]
-    per_1k = [("shard overhead per 1,000 rows", "shard overhead", sample.rows_read or sample.rows)]
+    at_length = f"{OVERHEAD}@{length_class(statistics.fmean(sample.lengths or [1]))}"
+    per_1k = [(at_length if stored(parts, fixed, at_length, None)[0] is not None else OVERHEAD, "shard overhead",
+               sample.rows_read or sample.rows)]
     if spec.index is not None and spec.mode == "embed":
         per_1k.append(("index build per 1,000 rows", "index build", sample.rows))
     for name, label, rows in per_1k:
-        seconds, source = stored(parts, fixed, name, DEFAULT_SECONDS[name])
+        seconds, source = stored(parts, fixed, name, DEFAULT_SECONDS[name.split("@")[0]])
+        source += " at this length" if "@" in name else ""
         out.append(Part(name=label, seconds=seconds * rows / 1000, source=f"{seconds:.2f} s per 1,000 rows, {source}"))
     out.append(Part(name="finish", **_seconds(parts, fixed, "finish")))
     exit_default = DEFAULT_ENGINE_EXIT.get(engine, 2.0)
@@ -515,14 +519,17 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         "main thread": _span(marks, "cli_ready", "tracking_warm") - trials - waited - early,
         "flow start": _span(marks, "flow_called", "first_engine_call") - prepare,
         "finish": _span(marks, "shards_done", "record_started") - index}
+    engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
     rows_read = rows_read if rows_read is not None else engine_rows
     if rows_read > 0 and "shards_done" in marks:
-        outside = _span(marks, "first_engine_call", "shards_done") + prepare - metrics.get("engine_seconds", 0.0)
-        fixed["shard overhead per 1,000 rows"] = outside / rows_read * 1000
+        outside = (_span(marks, "first_engine_call", "shards_done") + prepare - engine_seconds) / rows_read * 1000
+        fixed[OVERHEAD] = outside  # reading, tokenizing, writing: it grows with the rows' length, so by length too
+        if engine_rows > 0 and engine_tokens > 0:
+            mean = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
+            fixed[f"{OVERHEAD}@{length_class(mean)}"] = outside
     if index and engine_rows > 0:
         fixed["index build per 1,000 rows"] = index / engine_rows * 1000
     out = {fixed_key(spec, engine): fixed}
-    engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
     if engine_rows > 0 and engine_seconds > 0 and engine_tokens > 0:
         mean_in = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
         out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
