@@ -59,10 +59,11 @@ from tokenmill.shards import discover_shards_for, read_shard
 from tokenmill.spec import JobSpec
 
 # For a part never measured on this machine: seconds (per 1,000 rows where the name says so), stated
-# with the prediction. Middles of what a 2-core CPU measured (bench/PREDICTION.md); a GPU host's differ.
+# with the prediction. Middles of what 2-core CPUs measured (tests, earlier benches; the API 5-7 s on an
+# idle machine, 10-15 s on a loaded one); a GPU host's differ.
 DEFAULT_SECONDS = {
-    "python imports": 2.5, "orchestrator API": 12.0, "main thread": 3.0, "flow start": 2.0,
-    "shard overhead per 1,000 rows": 1.0, "index build per 1,000 rows": 1.0, "finish": 0.5,
+    "python imports": 2.5, "orchestrator API": 8.0, "main thread": 3.0, "flow start": 0.5,
+    "shard overhead per 1,000 rows": 1.0, "index build per 1,000 rows": 1.0, "finish": 0.1,
 }
 # Parts of the process around the engine, the same whichever engine runs: a device and mode's runs on one
 # engine stand for another never measured. Not the exit, which holds the engine's own shutdown.
