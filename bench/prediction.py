@@ -95,8 +95,26 @@ def job_file(job: Job, index: int, calibration: Path | None) -> Path:
     return path
 
 
+def parts_now() -> dict:
+    try:
+        return json.loads((WORK / "cache" / "run-parts.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def parts_measured(before: dict, after: dict) -> str:
+    """The parts a run stored (tokenmill.prediction.measured_parts): what its process measured, by name."""
+    out = []
+    for key, entry in after.items():
+        for name, values in entry.items():
+            if not name.startswith(("_", "mean_tokens")) and values != before.get(key, {}).get(name):
+                out.append(f"{name} {values[-1]:,.1f}" + (f" ({key.split('|')[1]})" if name == "engine start" else ""))
+    return "; ".join(out)
+
+
 def run_job(path: Path, output: Path) -> dict:
     shutil.rmtree(output, ignore_errors=True)  # the whole job every time (its row cache lives in it too)
+    before = parts_now()
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "run", "--config", str(path), "--no-progress"],
                           cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=1800)
@@ -109,7 +127,8 @@ def run_job(path: Path, output: Path) -> dict:
     client = MlflowClient(f"sqlite:///{WORK / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("tokenmill-bench-prediction").experiment_id
     run = client.search_runs([experiment], order_by=["attributes.start_time DESC"], max_results=1)[0]
-    return {"wall": wall, "line": line, "metrics": dict(run.data.metrics), "engine": run.data.params.get("engine")}
+    return {"wall": wall, "line": line, "metrics": dict(run.data.metrics), "engine": run.data.params.get("engine"),
+            "measured": parts_measured(before, parts_now())}
 
 
 def calibrate(job: Job, index: int) -> tuple[Path, float, str]:
@@ -144,6 +163,17 @@ def table(results: list[tuple[Job, dict]]) -> list[str]:
     return lines
 
 
+def trial_lines() -> list[str]:
+    try:
+        cache = json.loads((WORK / "cache" / "engine-trials.json").read_text())
+    except (OSError, ValueError):
+        return ["- none"]
+    return [f"- {entry.get('family', '')[:12]} at {entry.get('mean_tokens', 0):,.0f} tokens a row: {t['engine']} "
+            f"start {t['start_seconds']:.1f} s, whole trial {t.get('wall_seconds', 0):.1f} s, "
+            f"{t['tokens_per_s']:,.0f} tokens/s" for entry in cache.values() if isinstance(entry, dict)
+            for t in entry.get("trials", [])]
+
+
 def report(results: list[tuple[Job, dict]], calibration: tuple[float, str], seconds: float, quick: bool) -> str:
     rows = table(results)
     errors = [abs(r["error"]) for _, r in results]
@@ -158,6 +188,10 @@ def report(results: list[tuple[Job, dict]], calibration: tuple[float, str], seco
              "", f"`tokenmill calibrate` on the mixed job took {calibration[0]:.0f} s and printed:", "",
              f"    {calibration[1]}", "", "The lines the runs printed before they started work:", ""]
     lines += [f"- {job.name}: `{r['line']}`" for job, r in results]
+    lines += ["", "What each run measured and stored for the next predictions (seconds; tokens/s; per 1,000 rows "
+              "where the name says so):", ""]
+    lines += [f"- {job.name}: {r['measured']}" for job, r in results]
+    lines += ["", "The engine trials the bench's runs paid for (engine-trials.json):", ""] + trial_lines()
     return "\n".join(lines) + "\n"
 
 

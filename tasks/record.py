@@ -142,7 +142,8 @@ def predicted_against_measured_wall(spec: JobSpec, engine: str, engine_choice, m
     fresh = [r for r in results if r.shard_id not in cached]
     engine_rows = sum(r.rows_out - r.rows_from_cache - r.rows_collapsed for r in fresh)
     trials_ran = engine_choice is not None and not engine_choice.cached and bool(engine_choice.trials)
-    prediction.remember_run(spec, engine, metrics, engine_rows, trials_ran)
+    rows_read = sum(r.rows_out + r.rows_rejected for r in fresh)  # what the shards read, tokenized and wrote
+    prediction.remember_run(spec, engine, metrics, engine_rows, trials_ran, rows_read)
     get_run_logger().info("%s", predicted.describe())
     return prediction.compare(predicted, metrics)
 

@@ -218,9 +218,12 @@ def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
             return
         if spec.model.engine == "auto":
             if not trials_cached(spec):  # measured on a machine that is not busy starting the API
+                timeline.mark("api_wait")
                 finish_api_start(api)
             choose_engine(spec, job_rows=estimate_rows(spec, shards))
         job = resolve_job(spec)  # as the shards will resolve it: the engine they ask for is this one
+        timeline.mark("early_engine_start")  # tokenmill.prediction: the main thread's parts, apart
         get_engine(job.model_path, job.spec)
+        timeline.mark("early_engine_ready")
     except Exception as exc:
         log.debug("early engine start skipped: %s", exc, exc_info=True)

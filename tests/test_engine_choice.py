@@ -143,13 +143,16 @@ def test_a_runs_measured_parts_become_the_next_predictions_parts(trial_cache):
         8.0, "default: never measured here, 8 s")
     prediction.remember_parts({"here|vllm|embed": {"python imports": 3.0}})
     prediction.remember_parts({"here|vllm|embed": {"python imports": 5.0}})
-    prediction.remember_parts({"here|vllm|embed": {"python imports": 4.0, "exit": 1.5}})
+    prediction.remember_parts({"here|vllm|embed": {"python imports": 4.0, "finish": 1.5, "exit": 6.5}})
     parts = prediction.read_parts()
     assert prediction.stored(parts, "here|vllm|embed", "python imports", 8.0) == (
         4.0, "measured here, median of 3 runs")
-    assert prediction.stored(parts, "here|vllm|embed", "exit", 2.0)[0] == 1.5
+    assert prediction.stored(parts, "here|vllm|embed", "finish", 2.0)[0] == 1.5
     # never measured on transformers: this device and mode's runs on another engine, and it says so
-    assert prediction.stored(parts, "here|transformers|embed", "exit", 2.0) == (1.5, "measured here on vllm, median of 1 run")
+    assert prediction.stored(parts, "here|transformers|embed", "finish", 2.0) == (
+        1.5, "measured here on vllm, median of 1 run")
+    # but not the exit, which holds the engine's own shutdown
+    assert prediction.stored(parts, "here|transformers|embed", "exit", 2.0) == (2.0, "default: never measured here, 2 s")
 
 
 def test_plan_without_a_rate_uses_the_engine_trial(trial_cache, corpus, tmp_path):

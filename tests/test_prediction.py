@@ -81,10 +81,13 @@ def test_the_run_measured_its_parts_and_the_next_prediction_reads_them(job_a, mo
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(job_a["cache"]))
     stored = json.loads((job_a["cache"] / "run-parts.json").read_text())
     key = prediction.fixed_key(PrefectJob.model_validate(job_a["job"]), "transformers")
-    assert {"python imports", "orchestration start", "shard overhead per 1,000 rows", "finish", "exit"} <= set(stored[key])
+    assert {"python imports", "orchestrator API", "main thread", "flow start", "shard overhead per 1,000 rows",
+            "finish", "exit"} <= set(stored[key])
     again = prediction.predict_job(PrefectJob.model_validate(job_a["job"]))
-    for name in ("python imports", "orchestration start", "engine start", "finish", "exit"):
+    for name in ("python imports", "engine start", "finish", "exit"):
         assert again.part(name).source.startswith(("measured here", "transformers: measured here")), name
+    assert not again.part("orchestration start").is_default  # each of its parts measured by the run
+    assert again.part("orchestration start").source.count("measured here") == 3
 
 
 def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_path):
@@ -136,3 +139,38 @@ def test_rows_of_jsonl_shards_are_estimated_and_empty_ones_count_none(tmp_path):
     (tmp_path / "a.jsonl").unlink()
     shards = sorted(discover_shards_for(spec), key=lambda s: s.uri)
     assert rows_per_shard(spec, shards) == [2, 0]
+
+
+def test_identical_inputs_count_once_in_the_engines_rows(tmp_path, monkeypatch):
+    """The run computes an identical input once (row cache and collapse): the prediction's rows are the
+    corpus's distinct inputs, and it says so; with both off, every row."""
+    from tokenmill import prediction
+    from tokenmill.spec import JobSpec
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "in").mkdir()
+    texts = [TEXTS[i % 3] for i in range(30)]  # 3 distinct inputs, each 10 times
+    write_parquet(tmp_path / "in" / "a.parquet", [f"a{i}" for i in range(20)], texts[:20])
+    write_parquet(tmp_path / "in" / "b.parquet", [f"b{i}" for i in range(10)], texts[20:])
+    job = {"input": str(tmp_path / "in"), "output": str(tmp_path / "out"), "mode": "embed",
+           "model": {"name": "all-MiniLM-L6-v2", "engine": "transformers"}}
+    collapsed = prediction.predict_job(JobSpec.model_validate(job))
+    assert collapsed.rows == 3
+    assert "3 distinct of 30 rows (across shards)" in collapsed.part("engine").source
+    within = prediction.predict_job(JobSpec.model_validate({**job, "cache": {"enabled": False}}))
+    assert within.rows == 6 and "(within each shard)" in within.part("engine").source  # 3 in each file
+    every = prediction.predict_job(JobSpec.model_validate(
+        {**job, "cache": {"enabled": False, "collapse_duplicates": False}}))
+    assert every.rows == 30 and "distinct" not in every.part("engine").source
+    assert every.tokens == pytest.approx(10 * collapsed.tokens)
+
+
+def test_orchestration_start_is_what_the_engines_start_does_not_hide():
+    """Prefect's API starts beside the main thread and the engine's start: figures measured beside vLLM's
+    long start predict transformers' short one, and the reverse."""
+    from tokenmill.prediction import orchestration_part
+
+    parts = {"here|vllm|embed": {"orchestrator API": [10.0], "main thread": [3.0], "flow start": [1.0]}}
+    assert orchestration_part(parts, "here|vllm|embed", 40.0).seconds == pytest.approx(3.0 + 1.0)
+    assert orchestration_part(parts, "here|transformers|embed", 0.2).seconds == pytest.approx(10.0 - 0.2 + 1.0)
+    assert "measured here on vllm" in orchestration_part(parts, "here|transformers|embed", 0.2).source

@@ -3,15 +3,21 @@
     wall = python imports + orchestration start + engine trials (when they will run) + engine start
            + engine seconds + shard overhead + index build + finish + exit
 
-- engine seconds: the rows still to compute (finished shards and the rows the row cache holds left
-  out) at their lengths, from the job's own sample: each row's tokens / tokens_per_s(length), the
-  rate read off the engine trials' curve over length (this job's trials at every length class
-  measured here: log-log between them, flat beyond). Generation counts output tokens too: the job's
-  max_tokens where the trial's outputs ran to their cap, else the trial's mean.
+- orchestration start is the critical path of what `tokenmill run` overlaps (tasks/warm.py): Prefect's
+  API starts in its own process while the main thread imports the flow, predicts and starts the engine,
+  so it costs max(API, main thread + engine start) - engine start, plus the flow's own start. Its parts
+  are measured apart, so figures measured beside vLLM's 40 s start hold for transformers' 0.2 s one.
+- engine seconds: the rows still to compute (finished shards, the rows the row cache holds, and
+  repeats of an identical input, which the run computes once, left out) at their lengths, from the
+  job's own sample: each row's tokens / tokens_per_s(length), the rate read off the curve over length
+  that this job's trials and runs measured here (log-log between them, flat beyond). Generation counts
+  output tokens too: the job's max_tokens where the trial's outputs ran to their cap, else the trial's mean.
+- engine trials, when this run pays for them: measured here for this model and mode, else each engine
+  the trial will start at its stated defaults (start, plus the trial's own rows at a default rate).
 - every other part is measured seconds, stored per engine and device (the engine's start per
-  model too; the trials per model) in `run-parts.json` beside the engine trials
-  (`TOKENMILL_CACHE_DIR`), each the median of the last three runs that measured it. Nothing is a
-  factor fitted to another job's wall time.
+  model; the trials per model) in `run-parts.json` beside the engine trials (`TOKENMILL_CACHE_DIR`),
+  each the median of the last KEEP_LAST runs that measured it (one loaded run moves a median of five
+  little). Nothing is a factor fitted to another job's wall time.
 - a part never measured here is named in the prediction as a default, with its value.
 
 `tokenmill plan`, `tokenmill calibrate` and `tokenmill run` all call `predict_job`, so one job
@@ -34,6 +40,7 @@ from pydantic import BaseModel
 from tokenmill import timeline
 from tokenmill.device import device_label
 from tokenmill.engine_choice import (
+    TRIAL_MAX_TOKENS,
     cache_dir,
     engine_trials,
     length_class,
@@ -46,22 +53,33 @@ from tokenmill.engine_choice import (
 from tokenmill.models import resolve_model
 from tokenmill.outputs import MANIFEST, OutputStore
 from tokenmill.planning import row_cache_share, rows_per_shard
-from tokenmill.row_cache import cache_uri
-from tokenmill.shards import discover_shards_for
+from tokenmill.prompts import prompt_columns, text_column_used
+from tokenmill.row_cache import bypass_reason, cache_uri
+from tokenmill.shards import discover_shards_for, read_shard
 from tokenmill.spec import JobSpec
 
 # For a part never measured on this machine: seconds (per 1,000 rows where the name says so), stated
-# with the prediction. Middles of what a 2-core CPU measured; a GPU host's differ.
+# with the prediction. Middles of what 2-core CPUs measured (tests, earlier benches; the API 5-7 s on an
+# idle machine, 10-15 s on a loaded one); a GPU host's differ.
 DEFAULT_SECONDS = {
-    "python imports": 8.0, "orchestration start": 6.0, "engine start": 10.0, "engine trials": 90.0,
-    "shard overhead per 1,000 rows": 1.0, "index build per 1,000 rows": 1.0, "finish": 2.0, "exit": 2.0,
+    "python imports": 2.5, "orchestrator API": 8.0, "main thread": 3.0, "flow start": 0.5,
+    "shard overhead per 1,000 rows": 1.0, "index build per 1,000 rows": 1.0, "finish": 0.1,
 }
-AROUND_THE_ENGINE = frozenset({"python imports", "orchestration start", "shard overhead per 1,000 rows",
-                               "index build per 1,000 rows", "finish", "exit"})
-DEFAULT_ENGINE_START = {"vllm": 40.0, "transformers": 4.0, "onnxruntime": 4.0}
-DEFAULT_TOKENS_PER_S = {"embed": 3_000.0, "generate": 100.0}
+# Parts of the process around the engine, the same whichever engine runs: a device and mode's runs on one
+# engine stand for another never measured. Not the exit, which holds the engine's own shutdown.
+AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS)
+OVERHEAD = "shard overhead per 1,000 rows"
+# Per engine (and mode where they differ): start (the library's import included), exit, and tokens/s, for an
+# engine never measured here. 2-core CPUs: vLLM's start 21-42 s embedding MiniLM (trials in tests), 72-94 s
+# generating with SmolLM2 before its import (bench/GENERATE_INT8.md, an engine trial); SmolLM2 generates at
+# ~600 tokens/s on vLLM, ~190 on transformers (bench/RESULTS.md); exit: vLLM's shutdown 5-6 s.
+DEFAULT_ENGINE_START = {("vllm", "embed"): 35.0, ("vllm", "generate"): 100.0}
+DEFAULT_ENGINE_EXIT = {"vllm": 5.5}
+DEFAULT_TOKENS_PER_S = {("vllm", "generate"): 600.0, ("transformers", "generate"): 190.0}
+DEFAULT_TOKENS_PER_S_BY_MODE = {"embed": 3_000.0, "generate": 190.0}
 DEFAULT_WINNER = {"embed": "transformers", "generate": "vllm"}  # auto's usual choice on a CPU, without trials
-KEEP_LAST = 3
+DISTINCT_ROWS_READ = 1_000_000  # rows read to count identical inputs; beyond them, the share counted so far
+KEEP_LAST = 5
 
 
 class Part(BaseModel):
@@ -108,12 +126,20 @@ class Prediction(BaseModel):
 
 
 class JobSample(BaseModel):
-    """What the engine will compute: rows and shards still to run, and the sample's token lengths."""
+    """What the engine will compute: rows and shards still to run, and the sample's token lengths.
+    rows: the rows of the shards still to run less the row cache's share; distinct: the share of them
+    left once identical inputs are computed once (1.0: not counted); rows_read: every row of those shards."""
     rows: int
     shards: int
     lengths: list[int]
     row_cache_share: float = 0.0
     finished_shards: int = 0
+    distinct: float = 1.0
+    distinct_source: str = ""
+    rows_read: int = 0
+
+    def rows_to_compute(self, collapsed: bool) -> int:
+        return round(self.rows * (self.distinct if collapsed else 1.0))
 
 
 # ---- the parts cache -------------------------------------------------------------------------------
@@ -176,13 +202,13 @@ def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> li
     return sorted(points.values())
 
 
-def stored(parts: dict[str, Any], key: str, name: str, default: float) -> tuple[float, str]:
+def stored(parts: dict[str, Any], key: str, name: str, default: float | None) -> tuple[float | None, str]:
     """A part's seconds here (the median of its last measurements) and where they came from. A part of
-    the process around the engine (imports, orchestration, overhead, finish, exit) that runs on this
-    engine never measured is read from runs on another engine of this device and mode, and says so."""
+    the process around the engine (AROUND_THE_ENGINE) that runs on this engine never measured is read
+    from runs on another engine of this device and mode, and says so."""
     values = parts.get(key, {}).get(name)
     source = f"measured here, median of {len(values or [])} run{'s' if len(values or []) > 1 else ''}"
-    if not values and name in AROUND_THE_ENGINE:
+    if not values and name.split("@")[0] in AROUND_THE_ENGINE:
         device, engine, mode = key.split("|")
         other = next((k for k, v in sorted(parts.items()) if v.get(name) and k.count("|") == 2
                       and k.startswith(f"{device}|") and k.endswith(f"|{mode}")), None)
@@ -190,7 +216,7 @@ def stored(parts: dict[str, Any], key: str, name: str, default: float) -> tuple[
             values = parts[other][name]
             source = f"measured here on {other.split('|')[1]}, median of {len(values)} run{'s' if len(values) > 1 else ''}"
     if not values:
-        return default, f"default: never measured here, {default:g} s"
+        return default, "default: never measured here" + (f", {default:g} s" if default is not None else "")
     return statistics.median(values), source
 
 
@@ -212,25 +238,32 @@ def rate_at(points: list[tuple[float, float]], length: float) -> float:
     return points[-1][1]
 
 
+def default_rate(engine: str, mode: str) -> float:
+    return DEFAULT_TOKENS_PER_S.get((engine, mode), DEFAULT_TOKENS_PER_S_BY_MODE[mode])
+
+
 def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
                 parts: dict[str, Any] | None = None) -> tuple[Part, float]:
-    """The engine's seconds for the rows still to compute, and their tokens."""
+    """The engine's seconds for the rows still to compute (identical inputs once, where the run collapses
+    them on this engine), and their tokens."""
     points = rate_points(spec, engine, parts or {}, trials)
     lengths = sample.lengths or [1]
     out_per_row = (output_tokens_per_row(spec, [t for _, t in trials if t.engine == engine])
                    if spec.mode == "generate" else 0.0)
-    row_share = sample.rows / len(lengths)
+    collapsed = sample.distinct < 1.0 and bypass_reason(spec, engine) is None
+    row_share = sample.rows_to_compute(collapsed) / len(lengths)
     tokens = row_share * sum(n + out_per_row for n in lengths)
+    repeats = f"; {sample.distinct_source}" if collapsed else ""
     if not points:
-        rate = DEFAULT_TOKENS_PER_S[spec.mode]
-        return Part(name="engine", seconds=tokens / rate,
-                    source=f"default: {engine} never measured here for this job, {rate:,.0f} tokens/s"), tokens
+        rate = default_rate(engine, spec.mode)
+        return Part(name="engine", seconds=tokens / rate, source=f"default: {engine} never measured here for "
+                    f"this job, {rate:,.0f} tokens/s{repeats}"), tokens
     curve = [(mean + out_per_row, rate) for mean, rate, _ in points]
     seconds = row_share * sum((n + out_per_row) / rate_at(curve, n + out_per_row) for n in lengths)
     measured_at = ", ".join(f"{m:,.0f} ({where})" for m, _, where in points)
     source = (f"{tokens / seconds if seconds else 0:,.0f} tokens/s over the sample's lengths, from {engine} "
               f"measured here at {measured_at} tokens a row" + (f"; {out_per_row:,.0f} output tokens a row"
-                                                                if spec.mode == "generate" else ""))
+                                                                if spec.mode == "generate" else "") + repeats)
     return Part(name="engine", seconds=seconds, source=source), tokens
 
 
@@ -260,9 +293,49 @@ def job_sample(spec: JobSpec) -> JobSample:
     share = 0.0
     if todo and spec.cache.enabled and _row_cache_exists(spec):
         share, _ = row_cache_share(spec, [s for s, _ in todo], [n for _, n in todo], len(lengths))
-    to_compute = round(sum(n for _, n in todo) * (1.0 - share))
-    return JobSample(rows=to_compute, shards=len(todo), lengths=lengths, row_cache_share=share,
-                     finished_shards=len(done))
+    rows_read = sum(n for _, n in todo)
+    distinct, counted = distinct_share(spec, [s for s, _ in todo])
+    return JobSample(rows=round(rows_read * (1.0 - share)), shards=len(todo), lengths=lengths,
+                     row_cache_share=share, finished_shards=len(done), distinct=distinct,
+                     distinct_source=counted, rows_read=rows_read)
+
+
+def distinct_share(spec: JobSpec, shards) -> tuple[float, str]:
+    """The share of these shards' rows the engine computes once identical inputs are computed once
+    (tokenmill.row_cache: collapsed within a shard; with the row cache on, a later shard also finds an
+    earlier one's rows in it), counted over the inputs as read: the columns the prompt is made from.
+    (1.0, "") when the run collapses nothing or the inputs cannot be read here."""
+    if not shards or not (spec.cache.enabled or spec.cache.collapse_duplicates) or any(
+            s.format == "openai-batch" for s in shards):
+        return 1.0, ""
+    columns = [c for c in (text_column_used(spec), *prompt_columns(spec),
+                           spec.generation.messages_column if spec.mode == "generate" else None) if c]
+    seen: set = set()
+    read = distinct = 0
+    try:
+        for shard in shards:
+            table, _ = read_shard(shard, columns, spec.storage_options)
+            values = [table.column(c).to_pylist() for c in columns if c in table.column_names]
+            keys = [_input_key(v) for v in zip(*values)]
+            if not spec.cache.enabled:  # collapse alone: within each shard
+                seen = set()
+            before = len(seen)
+            seen.update(keys)
+            read, distinct = read + len(keys), distinct + len(seen) - before
+            if read >= DISTINCT_ROWS_READ:
+                break
+    except Exception:  # noqa: BLE001 - an input this sample cannot read: the run meets and reports it
+        return 1.0, ""
+    if not read or distinct == read:
+        return 1.0, ""
+    scope = "across shards" if spec.cache.enabled else "within each shard"
+    counted = "all" if shard is shards[-1] else f"the first {read:,}"
+    return distinct / read, (f"identical inputs computed once: {distinct:,} distinct of {read:,} rows "
+                             f"({scope}), counted over {counted} rows")
+
+
+def _input_key(values: tuple) -> Any:
+    return values if all(isinstance(v, (str, type(None))) for v in values) else json.dumps(values, default=str)
 
 
 def _row_cache_exists(spec: JobSpec) -> bool:
@@ -274,7 +347,8 @@ def _row_cache_exists(spec: JobSpec) -> bool:
 
 
 def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str]:
-    """The engine the job will run on, and why: as written, or auto's choice by the trials' curve."""
+    """The engine the job will run on, and why: as written, or auto's choice by the trials' curve (before
+    any trial: as auto will weigh them, at the defaults, the trial's last engine kept open)."""
     if spec.model.engine != "auto":
         return spec.model.engine, "as written"
     able, _ = runnable_engines(spec)
@@ -282,12 +356,25 @@ def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str
         return able[0], "the only engine that can run it here"
     measured = {t.engine for _, t in trials} & set(able)
     if measured != set(able):
-        guess = DEFAULT_WINNER[spec.mode] if DEFAULT_WINNER[spec.mode] in able else able[0]
-        return guess, f"default: auto's usual choice for {spec.mode} here, before any trial"
+        tokens = engine_part(spec, able[0], sample, [])[1]
+        seconds = {e: (0.0 if e == trial_order(able)[-1] else default_start(e, spec.mode))
+                   + tokens / default_rate(e, spec.mode) for e in able}
+        return (min(seconds, key=seconds.get),
+                f"default: auto's choice at the default starts and rates (the trial's last engine kept open), "
+                "before any trial")
     # as auto weighs them (engine_choice.choose_engine): the trial's start, then the job at the trial's rate
     seconds = {e: trial_start(spec, e, sample, trials) + engine_part(spec, e, sample, trials)[0].seconds
                for e in able}  # the trials' figures alone: what choose_engine weighs
     return min(seconds, key=seconds.get), "auto, by the trials' starts and rates"
+
+
+def trial_order(able: list[str]) -> list[str]:
+    """The order auto's trial starts engines in (engine_choice._trials): the last stays open for the job."""
+    return sorted(able, key=lambda e: e != "transformers")
+
+
+def default_start(engine: str, mode: str) -> float:
+    return DEFAULT_ENGINE_START.get((engine, mode), 4.0 if engine != "vllm" else 35.0)
 
 
 def trial_start(spec: JobSpec, engine: str, sample: JobSample, trials) -> float:
@@ -303,38 +390,91 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> 
     """The whole process's seconds in parts (see the module's docstring); reads nothing but this job's
     sample, this job's trials (`trials`) and the parts measured here for its engine (`parts`)."""
     engine, why = predicted_engine(spec, sample, trials)
-    fixed, per_engine = fixed_key(spec, engine), engine_key(spec, engine)
-    trial_runs = spec.model.engine == "auto" and len(runnable_engines(spec)[0]) > 1 and not trials_cached(spec)
-    out = [Part(name="python imports", seconds=0, source=""), Part(name="orchestration start", seconds=0, source="")]
-    for part in out:
-        part.seconds, part.source = stored(parts, fixed, part.name, DEFAULT_SECONDS[part.name])
-    if trial_runs:
-        seconds, source = stored(parts, trials_key(spec), "engine trials", DEFAULT_SECONDS["engine trials"])
-        out.append(Part(name="engine trials", seconds=seconds, source=f"{source}; every engine started and timed"))
-    if trial_runs and engine == "vllm":  # the trial's last engine, kept open for the job
-        out.append(Part(name="engine start", seconds=0.0, source="kept open from its trial"))
+    fixed = fixed_key(spec, engine)
+    able = runnable_engines(spec)[0]
+    trial_runs = spec.model.engine == "auto" and len(able) > 1 and not trials_cached(spec)
+    if trial_runs and engine == trial_order(able)[-1]:
+        start = Part(name="engine start", seconds=0.0, source=f"{engine}: kept open from its trial")
     else:
-        out.append(engine_start_part(spec, engine, sample, parts, trials))
+        start = engine_start_part(spec, engine, sample, parts, trials)
+    out = [Part(name="python imports", **_seconds(parts, fixed, "python imports")),
+           orchestration_part(parts, fixed, 0.0 if trial_runs else start.seconds)]
+    if trial_runs:
+        out.append(trials_part(spec, sample, parts, able))
     engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts)
-    out.append(engine_seconds)
-    per_1k = [("shard overhead per 1,000 rows", "shard overhead")]
+    out += [start, engine_seconds]
+    at_length = f"{OVERHEAD}@{length_class(statistics.fmean(sample.lengths or [1]))}"
+    per_1k = [(at_length if stored(parts, fixed, at_length, None)[0] is not None else OVERHEAD, "shard overhead",
+               sample.rows_read or sample.rows)]
     if spec.index is not None and spec.mode == "embed":
-        per_1k.append(("index build per 1,000 rows", "index build"))
-    for name, label in per_1k:
-        seconds, source = stored(parts, fixed, name, DEFAULT_SECONDS[name])
-        out.append(Part(name=label, seconds=seconds * sample.rows / 1000,
-                        source=f"{seconds:.2f} s per 1,000 rows, {source}"))
-    for name in ("finish", "exit"):
-        seconds, source = stored(parts, fixed, name, DEFAULT_SECONDS[name])
-        out.append(Part(name=name, seconds=seconds, source=source))
+        per_1k.append(("index build per 1,000 rows", "index build", sample.rows))
+    for name, label, rows in per_1k:
+        seconds, source = stored(parts, fixed, name, DEFAULT_SECONDS[name.split("@")[0]])
+        source += " at this length" if "@" in name else ""
+        out.append(Part(name=label, seconds=seconds * rows / 1000, source=f"{seconds:.2f} s per 1,000 rows, {source}"))
+    out.append(Part(name="finish", **_seconds(parts, fixed, "finish")))
+    exit_default = DEFAULT_ENGINE_EXIT.get(engine, 2.0)
+    seconds, source = stored(parts, fixed, "exit", exit_default)
+    out.append(Part(name="exit", seconds=seconds, source=f"{engine}: {source}"))
     if why.startswith("default"):
         out[0].source += f"; engine {engine}: {why}"
-    return Prediction(engine=engine, rows=sample.rows, tokens=tokens, parts=out)
+    rows = sample.rows_to_compute(collapses(spec, engine, sample))
+    return Prediction(engine=engine, rows=rows, tokens=tokens, parts=out)
+
+
+def _seconds(parts: dict[str, Any], key: str, name: str) -> dict[str, Any]:
+    seconds, source = stored(parts, key, name, DEFAULT_SECONDS[name])
+    return {"seconds": seconds, "source": source}
+
+
+def collapses(spec: JobSpec, engine: str, sample: JobSample) -> bool:
+    """Whether the run computes identical inputs once on this engine (deterministic requests only)."""
+    return sample.distinct < 1.0 and bypass_reason(spec, engine) is None
+
+
+def orchestration_part(parts: dict[str, Any], key: str, engine_start: float) -> Part:
+    """Prefect's API starts in its own process beside the main thread's work (the flow's imports, this
+    prediction, MLflow's store) and the engine's start (`engine_start`: the start it overlaps; 0 when a
+    trial runs first, which waits for the API), then the flow starts: what of it the engine's start does
+    not hide."""
+    api, main, flow = (_seconds(parts, key, name) for name in ("orchestrator API", "main thread", "flow start"))
+    seconds = max(api["seconds"], main["seconds"] + engine_start) - engine_start + flow["seconds"]
+    return Part(name="orchestration start", seconds=seconds, source=(
+        f"API {api['seconds']:.1f} s ({api['source']}) beside main thread {main['seconds']:.1f} s "
+        f"({main['source']}) + engine start {engine_start:.1f} s; flow start {flow['seconds']:.1f} s "
+        f"({flow['source']})"))
+
+
+def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: list[str]) -> Part:
+    """The engine trials this run will pay for: as measured here for this model and mode, else each
+    engine the trial starts at its default start, and the trial's own rows at its default rate."""
+    seconds, source = stored(parts, trials_key(spec), "engine trials", 0.0)
+    if not source.startswith("default"):
+        return Part(name="engine trials", seconds=seconds, source=f"{source}; every engine started and timed")
+    each = []
+    for engine in trial_order(able):
+        start, rate = default_start(engine, spec.mode), default_rate(engine, spec.mode)
+        tokens = trial_tokens(spec, sample.lengths, engine)
+        each.append((engine, start + tokens / rate, f"{engine} {start:g} s start + {tokens:,.0f} tokens at "
+                                                    f"{rate:,.0f} tokens/s"))
+    return Part(name="engine trials", seconds=sum(s for _, s, _ in each),
+                source="default: never measured here, each engine at its defaults: " + "; ".join(t for *_, t in each))
+
+
+def trial_tokens(spec: JobSpec, lengths: list[int], engine: str) -> float:
+    """The tokens an engine's trial computes (engine_choice.run_trial): a warm-up call, then the rest of the
+    sample, twice for transformers embedding on a CPU (timed at two stream settings); generation's outputs
+    at the trial's cap."""
+    warm = max(1, min(8, len(lengths) // 4))
+    out = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS) if spec.mode == "generate" else 0
+    passes = 2 if engine == "transformers" and spec.mode == "embed" and device_label().startswith("cpu") else 1
+    timed = lengths[:-warm] or lengths
+    return sum(n + out for n in lengths[-warm:]) + passes * sum(n + out for n in timed)
 
 
 def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict[str, Any], trials) -> Part:
     """The engine's start as runs here waited for it; before any run, as its trial measured it."""
-    seconds, source = stored(parts, engine_key(spec, engine), "engine start", DEFAULT_ENGINE_START.get(engine, 10.0))
+    seconds, source = stored(parts, engine_key(spec, engine), "engine start", default_start(engine, spec.mode))
     if source.startswith("default") and any(t.engine == engine for _, t in trials):
         seconds, source = trial_start(spec, engine, sample, trials), "its trial's start, no run here yet"
     return Part(name="engine start", seconds=seconds, source=f"{engine}: {source}")
@@ -366,36 +506,42 @@ def _span(marks: dict[str, float], start: str, end: str) -> float:
 
 
 def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
-                   trials_ran: bool) -> dict[str, dict[str, float]]:
+                   trials_ran: bool, rows_read: int | None = None) -> dict[str, dict[str, float]]:
     """This run's parts, by the cache key each is stored under (see `predict`)."""
     marks = {"process": timeline.process_started(), **timeline.marks()}
-    if not timeline.measures_process() or "cli_ready" not in marks or "first_engine_call" not in marks:
+    if not timeline.measures_process() or not {"cli_ready", "tracking_warm", "flow_called", "first_engine_call"} <= set(marks):
         return {}
-    # a first trial waits for the orchestrator's API before it starts (tasks/warm.py), so its part holds
-    # that wait, which a run with its trials cached spends under the engine's start
-    trials = (_span(marks, "engine_choice_start", "engine_choice_done") + _span(marks, "api_start", "api_ready")
-              if trials_ran else 0.0)
-    engine_start = 0.0 if trials_ran else _span(marks, "engine_start", "engine_ready")
+    # tasks/warm.py: before a first trial the main thread waits for the API; the engine starts ahead of the flow
+    trials = _span(marks, "engine_choice_start", "engine_choice_done") if trials_ran else 0.0
+    waited = _span(marks, "api_wait", "engine_choice_start") if trials_ran else 0.0
+    early = _span(marks, "early_engine_start", "early_engine_ready")
     prepare = _span(marks, "first_shard_started", "first_engine_call")
     index = _span(marks, "index_start", "index_done")
-    fixed: dict[str, float] = {"python imports": _span(marks, "process", "cli_ready"),
-                               "finish": _span(marks, "shards_done", "record_started") - index}
-    fixed["orchestration start"] = _span(marks, "cli_ready", "first_engine_call") - trials - engine_start - prepare
-    if engine_rows > 0 and "shards_done" in marks:
-        outside = _span(marks, "first_engine_call", "shards_done") + prepare - metrics.get("engine_seconds", 0.0)
-        fixed["shard overhead per 1,000 rows"] = outside / engine_rows * 1000
-        if index:
-            fixed["index build per 1,000 rows"] = index / engine_rows * 1000
-    out = {fixed_key(spec, engine): fixed}
+    fixed: dict[str, float] = {
+        "python imports": _span(marks, "process", "cli_ready"),
+        "orchestrator API": _span(marks, "api_start", "api_ready"),
+        "main thread": _span(marks, "cli_ready", "tracking_warm") - trials - waited - early,
+        "flow start": _span(marks, "flow_called", "first_engine_call") - prepare,
+        "finish": _span(marks, "shards_done", "record_started") - index}
     engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
+    rows_read = rows_read if rows_read is not None else engine_rows
+    if rows_read > 0 and "shards_done" in marks:
+        outside = (_span(marks, "first_engine_call", "shards_done") + prepare - engine_seconds) / rows_read * 1000
+        fixed[OVERHEAD] = outside  # reading, tokenizing, writing: it grows with the rows' length, so by length too
+        if engine_rows > 0 and engine_tokens > 0:
+            mean = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
+            fixed[f"{OVERHEAD}@{length_class(mean)}"] = outside
+    if index and engine_rows > 0:
+        fixed["index build per 1,000 rows"] = index / engine_rows * 1000
+    out = {fixed_key(spec, engine): fixed}
     if engine_rows > 0 and engine_seconds > 0 and engine_tokens > 0:
         mean_in = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
         out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
                                         f"mean_tokens@{length_class(mean_in)}": mean_in}
     if trials_ran:
         out[trials_key(spec)] = {"engine trials": trials}
-    elif engine_start:
-        out[engine_key(spec, engine)] = {"engine start": engine_start}
+    elif early or "engine_start" in marks:
+        out[engine_key(spec, engine)] = {"engine start": early or _span(marks, "engine_start", "engine_ready")}
     return out
 
 
@@ -421,9 +567,9 @@ _exit_from: list[tuple[str, float]] = []  # (parts key, record's start) of the r
 
 
 def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
-                 trials_ran: bool) -> None:
+                 trials_ran: bool, rows_read: int | None = None) -> None:
     """Store this run's measured parts for the next prediction of any job on this engine here."""
-    remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran))
+    remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran, rows_read))
     marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
     if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
         _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"])]
