@@ -269,7 +269,7 @@ def test_a_job_that_fails_ends_its_run_failed(tmp_path, prefect_server):
 
 
 def test_a_killed_job_is_closed_killed_and_the_next_run_links_to_it_and_resumes(tmp_path):
-    _corpus(tmp_path / "corpus", rows=120, row_group_size=30)  # 4 shards
+    _corpus(tmp_path / "corpus", rows=360, row_group_size=30)  # 12 shards: a window to catch it in
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
     client.create_experiment("tests")  # the store exists before two processes open it
@@ -286,9 +286,12 @@ def test_a_killed_job_is_closed_killed_and_the_next_run_links_to_it_and_resumes(
         for run in _runs(uri):
             if run.info.status == "RUNNING" and run.data.metrics.get("progress/shards_done", 0) >= 1:
                 killed_id = run.info.run_id
-        time.sleep(0.2)
+                os.killpg(first.pid, signal.SIGKILL)  # at once: the whole CLI process group, as on a reclaimed node
+                break
+        else:
+            time.sleep(0.2)
     if first.poll() is None:
-        os.killpg(first.pid, signal.SIGKILL)  # the whole CLI process group, as on a reclaimed node
+        os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
     assert killed_id, "the first run was not caught between its first and its last shard"
     assert client.get_run(killed_id).info.status == "RUNNING"  # nobody closed it: the process just vanished
@@ -300,7 +303,7 @@ def test_a_killed_job_is_closed_killed_and_the_next_run_links_to_it_and_resumes(
     killed, resumed = client.get_run(killed_id), client.get_run(run_id)
     assert killed.info.status == "KILLED" and killed.data.tags["tokenmill.resumed_by"] == run_id
     assert resumed.info.status == "FINISHED" and resumed.data.tags["tokenmill.resumed_from"] == killed_id
-    assert resumed.data.metrics["shards_cached"] >= 1 and resumed.data.metrics["rows_out"] == 120
+    assert resumed.data.metrics["shards_cached"] >= 1 and resumed.data.metrics["rows_out"] == 360
     assert "prefect.flow_run_id" in resumed.data.tags
     assert "prefect.flow_run_url" not in resumed.data.tags  # the ephemeral API: no server to link to
     assert len(_runs(uri)) == 2
