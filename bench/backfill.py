@@ -36,6 +36,7 @@ from pathlib import Path
 
 from bench import harness
 from bench.vllm_server import VllmServer
+from tokenmill.server_control import parse_load
 
 MODEL = "SmolLM2-135M-Instruct"
 LIVE_MAX_TOKENS = 16
@@ -86,12 +87,7 @@ def live_load(url: str, rate: float, count: int) -> tuple[list[float], list[str]
 def server_tokens(root: str) -> float:
     """The server's prompt + generated tokens so far (its Prometheus counters, summed over models)."""
     with urllib.request.urlopen(f"{root}/metrics", timeout=5) as answer:
-        text = answer.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.split("{", 1)[0].split(" ", 1)[0] in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+        return parse_load(answer.read().decode()).tokens
 
 
 def batch_prompts(rows: int) -> list[list[int]]:

@@ -71,12 +71,14 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 4.0
 vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 10.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 2.5
+vllm:prompt_tokens_total{engine="0",model_name="m"} 120.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 30.0
 """
 
 
 def test_the_load_is_read_from_prometheus_text():
     load = parse_load(PROMETHEUS)
-    assert load == ServerLoad(waiting=2, running=3, ttft_sum=2.5, ttft_count=10)
+    assert load == ServerLoad(waiting=2, running=3, ttft_sum=2.5, ttft_count=10, tokens=150)
     later = ServerLoad(waiting=0, running=0, ttft_sum=3.5, ttft_count=12)
     assert recent_ttft(load, later) == pytest.approx(0.5)
     assert recent_ttft(later, later) is None and recent_ttft(None, later) is None

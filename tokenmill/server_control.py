@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 TTFT = "vllm:time_to_first_token_seconds"
+TOKENS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")  # counters: tokens prefilled, generated
 
 
 @dataclass(frozen=True)
@@ -62,18 +63,20 @@ def cap_from_slo(cost: CallCost, slo_ms: float, share: float, ceiling: int) -> i
 
 @dataclass(frozen=True)
 class ServerLoad:
-    """One read of the server's /metrics: requests waiting and running (every tenant's), and the time to
-    first token histogram's running sum and count (seconds, requests)."""
+    """One read of the server's /metrics: requests waiting and running (every tenant's), the time to
+    first token histogram's running sum and count (seconds, requests), and the tokens the server has
+    prefilled and generated so far (every tenant's)."""
 
     waiting: float
     running: float
     ttft_sum: float = 0.0
     ttft_count: float = 0.0
+    tokens: float = 0.0
 
 
 def parse_load(text: str) -> ServerLoad:
     """The load figures from a Prometheus text exposition (summed over engines and models)."""
-    totals = {WAITING: 0.0, RUNNING: 0.0, f"{TTFT}_sum": 0.0, f"{TTFT}_count": 0.0}
+    totals = {WAITING: 0.0, RUNNING: 0.0, f"{TTFT}_sum": 0.0, f"{TTFT}_count": 0.0, **dict.fromkeys(TOKENS, 0.0)}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -83,7 +86,8 @@ def parse_load(text: str) -> ServerLoad:
                 totals[name] += float(line.rsplit(" ", 1)[1])
             except (IndexError, ValueError):
                 continue
-    return ServerLoad(totals[WAITING], totals[RUNNING], totals[f"{TTFT}_sum"], totals[f"{TTFT}_count"])
+    return ServerLoad(totals[WAITING], totals[RUNNING], totals[f"{TTFT}_sum"], totals[f"{TTFT}_count"],
+                      sum(totals[name] for name in TOKENS))
 
 
 def recent_ttft(before: ServerLoad | None, now: ServerLoad) -> float | None:
