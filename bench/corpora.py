@@ -10,6 +10,11 @@ interpreter version gives the same corpus on any machine:
 - mixed: every docstring as written, from one word to pages (truncated at the model's limit).
 
 A row is `id` (file:line), `text`.
+
+One held-out shape, for checking a figure on text none of the above resembles:
+
+- readme: the paragraphs of the installed packages' own descriptions (their METADATA's body: README
+  prose, install commands, code, tables), in package order, from a few words to pages.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 SHAPES = ("short", "long", "mixed")
+HELD_OUT_SHAPES = ("readme",)
 
 
 def stdlib_docstrings() -> list[tuple[str, str]]:
@@ -44,8 +50,22 @@ def stdlib_docstrings() -> list[tuple[str, str]]:
     return found
 
 
+def package_paragraphs() -> list[tuple[str, str]]:
+    """(id, paragraph) for every paragraph of at least 5 words in the installed distributions' METADATA bodies."""
+    from importlib import metadata
+
+    found: list[tuple[str, str]] = []
+    for dist in sorted(metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        body = (dist.read_text("METADATA") or "").split("\n\n", 1)
+        for i, paragraph in enumerate(body[1].split("\n\n") if len(body) > 1 else []):
+            text = " ".join(paragraph.split())
+            if len(text.split()) >= 5:
+                found.append((f"{dist.metadata['Name']}:{i}", text))
+    return found
+
+
 def build(shape: str, rows: int) -> pa.Table:
-    docs = stdlib_docstrings()
+    docs = package_paragraphs() if shape == "readme" else stdlib_docstrings()
     if shape == "short":
         picked = []
         for key, doc in docs:
@@ -60,10 +80,10 @@ def build(shape: str, rows: int) -> pa.Table:
             if len(text) >= 1100:
                 picked.append((key, text[:1200]))
                 text, key = "", None
-    elif shape == "mixed":
+    elif shape in ("mixed", "readme"):
         picked = docs
     else:
-        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES + HELD_OUT_SHAPES)}")
     if len(picked) < rows:  # a small stdlib: cycle, with ids kept unique
         picked = [(f"{k}#{i // len(picked)}", t) for i, (k, t) in enumerate(picked * (rows // len(picked) + 1))]
     picked = picked[:rows]
