@@ -39,7 +39,7 @@ from tokenmill.engine_protocol import run_engine
 from tokenmill.engines import discard_engine, engine_key, get_engine, is_open
 from tokenmill.models import resolve_model
 from tokenmill.openai_batch import input_mode
-from tokenmill.runner import engine_pads, plan_feed, run_batches
+from tokenmill.runner import plan_feed, run_batches
 from tokenmill.versions import library_versions
 from tokenmill.sampling import corpus_sample
 from tokenmill.spec import ONNX_QUANTIZATIONS, JobSpec, transformers_unsupported
@@ -67,12 +67,6 @@ class EngineTrial(BaseModel):
     tokens_per_s_by_streams: dict[int, float] = {}
     estimated_from: list[float] = []  # judged, not run: the mean tokens per row of the cached trials it came from
     wall_seconds: float = 0.0  # the whole trial of this engine: start, warm-up call, every timed pass
-    # generate: each timed call as [rows, seconds, decode steps (its longest output), row steps (the rows it
-    # computed at each step: every row to the longest for an engine that pads, each row's own output for
-    # one that does not)], and each timed row's output tokens: a call's cost by its rows, from which the
-    # job's calls (more rows each, in a bigger shard) are predicted
-    calls: list[list[float]] = []
-    row_outputs: list[int] = []
 
 
 class EngineChoice(BaseModel):
@@ -464,21 +458,12 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         for streams in candidates:
             if len(candidates) > 1:
                 instance.set_streams(streams)
-            call_seconds: list[float] = []
-            outputs, seconds = run_batches(instance, calls, rows, job, None, call_seconds)  # as the runner calls it
+            outputs, seconds = run_batches(instance, calls, rows, job, None)  # as the runner calls it
             produced = sum(g.output_tokens for call in outputs for g in call) if spec.mode == "generate" else 0
             by_streams[streams] = (tokens + produced) / seconds if seconds else 0.0
             if fastest is None or by_streams[streams] > by_streams[fastest[0]]:
-                fastest = (streams, seconds, produced, outputs, call_seconds)
-        streams, seconds, produced, outputs, call_seconds = fastest
-        per_call, row_outputs = [], []
-        if spec.mode == "generate" and len(call_seconds) == len(calls):
-            n = max(job.generation.n, 1)
-            pads = engine_pads(engine)
-            per_call = [[len(call), s, max(g.output_tokens for g in out) / n,
-                         (len(out) * max(g.output_tokens for g in out) if pads else sum(g.output_tokens for g in out)) / n]
-                        for call, s, out in zip(calls, call_seconds, outputs) if out]
-            row_outputs = [round(g.output_tokens / n) for out in outputs for g in out]
+                fastest = (streams, seconds, produced)
+        streams, seconds, produced = fastest
         if len(candidates) > 1:
             instance.set_streams(streams)
         tokens += produced
@@ -489,4 +474,4 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
     return EngineTrial(engine=engine, start_seconds=start_seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
                        rows=len(rows), tokens=tokens, seconds=seconds, output_tokens=produced, streams=streams,
                        tokens_per_s_by_streams=by_streams if len(candidates) > 1 else {},
-                       wall_seconds=time.perf_counter() - started, calls=per_call, row_outputs=row_outputs)
+                       wall_seconds=time.perf_counter() - started)

@@ -197,12 +197,11 @@ def _feed(token_ids: list[list[int]], spec: JobSpec, engine_name: str, engine: E
 
 
 def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[int]], spec: JobSpec,
-                shard_id: str | None, call_seconds: list[float] | None = None) -> tuple[list, float]:
+                shard_id: str | None) -> tuple[list, float]:
     """Each batch through the engine, as cut (one engine call each; see plan_feed). Returns (results per
     batch, seconds in the engine). An engine with `streams` > 1 (transformers on CPU) gets that many calls
     at once, from as many threads; results keep the batches' order either way. shard_id None: no progress
-    events (an engine trial's sample is not the job's rows). call_seconds: given, it gets each call's seconds
-    (one call at a time only: an engine trial's measure of a call's cost by its rows)."""
+    events (an engine trial's sample is not the job's rows)."""
     streams = max(1, engine.streams)  # >1 only for transformers embedding on a CPU
     heap = HeapGuard()  # an in-process engine's freed activations, given back when they stop being reused
     results_by_batch: list = [None] * len(batches)
@@ -213,8 +212,6 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
             batch_started = time.perf_counter()
             results_by_batch[index] = run_engine(engine, [token_ids[i] for i in batch], spec)
             engine_seconds += time.perf_counter() - batch_started
-            if call_seconds is not None:
-                call_seconds.append(time.perf_counter() - batch_started)
             if shard_id is not None:
                 progress.emit("rows_done", shard_id=shard_id, rows=len(batch))
     else:
