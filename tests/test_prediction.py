@@ -176,63 +176,6 @@ def test_orchestration_start_is_what_the_engines_start_does_not_hide():
     assert "measured here on vllm" in orchestration_part(parts, "here|transformers|embed", 0.2).source
 
 
-def _generation_trial(engine: str, a: float, c: float, outputs: list[int], sizes: list[int], start_seconds=1.0):
-    """A trial whose timed calls cost exactly a x decode steps + c x row steps (padded: every row to the longest)."""
-    from tokenmill.engine_choice import EngineTrial
-
-    calls, rows_out, at = [], [], 0
-    for size in sizes:
-        out = outputs[at:at + size]
-        at += size
-        steps, row_steps = max(out), size * max(out)
-        calls.append([size, a * steps + c * row_steps, steps, row_steps])
-        rows_out += out
-    return EngineTrial(engine=engine, rows=len(rows_out), tokens=0, seconds=sum(x[1] for x in calls),
-                       tokens_per_s=100.0, output_tokens=sum(rows_out), calls=calls, row_outputs=rows_out,
-                       start_seconds=start_seconds)
-
-
-def test_generation_seconds_come_from_the_calls_the_runner_will_make():
-    """Generation's cost per token falls as a call holds more rows: the trial's timed calls give a decode
-    step's and a row step's cost, and the job's calls (cut as the runner cuts them) are priced from those,
-    not at the trial's flat tokens/s."""
-    from tokenmill.engine_choice import TRIAL_MAX_TOKENS
-    from tokenmill.prediction import JobSample, expected_longest, generate_seconds, spread, step_costs
-    from tokenmill.runner import plan_feed
-    from tokenmill.spec import JobSpec
-
-    outputs = [8, 12, 16, 16, 10, 16, 14, 9, 16, 11, 13, 16]
-    trial = _generation_trial("transformers", 0.03, 0.015, outputs, [2, 4, 6])
-    a, c, calls = step_costs("transformers", [(80.0, trial)])
-    assert (a, c, calls) == (pytest.approx(0.03), pytest.approx(0.015), 3)
-    assert step_costs("transformers", [(80.0, _generation_trial("transformers", 0.03, 0.015, outputs[:4], [2, 2]))]) is None
-    assert expected_longest([4, 8], 1) == pytest.approx(6.0) and expected_longest([4, 8], 20) == pytest.approx(8.0, abs=1e-4)
-    assert spread([10, 20], 3) == [12, 15, 18] and sorted(spread([5, 40, 7, 9], 50)) == spread([5, 40, 7, 9], 50)
-
-    spec = JobSpec.model_validate({"input": "in", "mode": "generate", "model": {
-        "name": "SmolLM2-135M-Instruct", "engine": "transformers"}, "generation": {"max_tokens": 16}})
-    lengths = [60 + (i * 7) % 50 for i in range(40)]
-    sample = JobSample(rows=400, shards=2, lengths=lengths)
-    seconds, source = generate_seconds(spec, "transformers", sample, [(80.0, trial)], collapsed=False)
-    expected = 0.0
-    for call in plan_feed(spread(lengths, 200), spec, "transformers"):
-        steps = expected_longest(outputs, len(call))
-        expected += 2 * (0.03 * steps + 0.015 * len(call) * steps)
-    assert seconds == pytest.approx(expected)
-    assert "fitted to transformers's 3 timed trial calls here" in source
-    flat = 400 * sum(outputs) / len(outputs) * (a + c) * 1.0  # one row a call: every step costs a + c
-    assert seconds < flat  # bigger calls: a decode step's cost is shared by their rows
-
-    # the trial cut its rows at its own cap: the job's longer cap lets those rows run on to it
-    cap = TRIAL_MAX_TOKENS
-    longer = spec.model_copy(update={"generation": spec.generation.model_copy(update={"max_tokens": 4 * cap})})
-    at_trial_cap = spec.model_copy(update={"generation": spec.generation.model_copy(update={"max_tokens": cap})})
-    capped = _generation_trial("transformers", 0.03, 0.015, [cap] * 12, [2, 4, 6])
-    long_seconds, _ = generate_seconds(longer, "transformers", sample, [(80.0, capped)], collapsed=False)
-    cap_seconds, _ = generate_seconds(at_trial_cap, "transformers", sample, [(80.0, capped)], collapsed=False)
-    assert long_seconds == pytest.approx(4 * cap_seconds)
-
-
 def test_first_run_trials_are_each_engine_from_its_measured_parts(monkeypatch):
     """A trial at a new length is each engine's start as measured here plus this sample's trial tokens at
     the engine's measured rate, plus the trials' overhead measured besides the engines; an engine never
@@ -259,3 +202,15 @@ def test_first_run_trials_are_each_engine_from_its_measured_parts(monkeypatch):
     # nothing measured: every figure a default, and the trials' overhead too (the last engine closed)
     none = trials_part(spec, sample, {}, ["transformers", "vllm"], [], kept=False)
     assert none.is_default and none.seconds > transformers + prediction.default_start("vllm", "embed")
+
+
+def test_the_main_thread_of_a_run_with_trials_stands_in_until_a_warm_run_measures_it():
+    """A first run's main thread (generation's includes transformers' import for the chat template, 6-15 s)
+    is stored apart from a warm run's, and read only where no warm run measured it."""
+    from tokenmill.prediction import MAIN_BESIDE_TRIAL, orchestration_part
+
+    first = {"here|vllm|generate": {"orchestrator API": [3.0], MAIN_BESIDE_TRIAL: [12.0], "flow start": [0.5]}}
+    part = orchestration_part(first, "here|transformers|generate", 0.5)
+    assert part.seconds == pytest.approx(12.0 + 0.5) and "in runs with trials" in part.source
+    warm = {"here|transformers|generate": {"main thread": [9.0]}, **first}
+    assert orchestration_part(warm, "here|transformers|generate", 0.5).seconds == pytest.approx(9.0 + 0.5)

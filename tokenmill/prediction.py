@@ -55,7 +55,6 @@ from tokenmill.outputs import MANIFEST, OutputStore
 from tokenmill.planning import row_cache_share, rows_per_shard
 from tokenmill.prompts import prompt_columns, text_column_used
 from tokenmill.row_cache import bypass_reason, cache_uri
-from tokenmill.runner import engine_pads, plan_feed
 from tokenmill.shards import discover_shards_for, read_shard
 from tokenmill.spec import JobSpec
 
@@ -69,7 +68,11 @@ DEFAULT_SECONDS = {
 }
 # Parts of the process around the engine, the same whichever engine runs: a device and mode's runs on one
 # engine stand for another never measured. Not the exit, which holds the engine's own shutdown.
-AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS)
+# The main thread's work measured in a run that paid for trials (less the trials and its wait for the API):
+# it ran beside less of the API's start than a warm run's does, so it stands in only where no warm run
+# measured "main thread" (generation's is 6-15 s: transformers' import for the chat template).
+MAIN_BESIDE_TRIAL = "main thread, a run with trials"
+AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL}
 OVERHEAD = "shard overhead per 1,000 rows"
 # Per engine (and mode where they differ): start (the library's import included), exit, and tokens/s, for an
 # engine never measured here. Quiet 2-core CPU (bench/PREDICTION.md's trials and runs): vLLM's start 23-37 s
@@ -261,12 +264,6 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
         rate = default_rate(engine, spec.mode)
         return Part(name="engine", seconds=tokens / rate, source=f"default: {engine} never measured here for "
                     f"this job, {rate:,.0f} tokens/s{repeats}"), tokens
-    if spec.mode == "generate":
-        by_calls = generate_seconds(spec, engine, sample, trials, collapsed)
-        if by_calls is not None:
-            seconds, source = by_calls
-            return Part(name="engine", seconds=seconds, source=f"{source}; {out_per_row:,.0f} output tokens a row"
-                        + repeats), tokens
     curve = [(mean + out_per_row, rate) for mean, rate, _ in points]
     seconds = row_share * sum((n + out_per_row) / rate_at(curve, n + out_per_row) for n in lengths)
     measured_at = ", ".join(f"{m:,.0f} ({where})" for m, _, where in points)
@@ -274,81 +271,6 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
               f"measured here at {measured_at} tokens a row" + (f"; {out_per_row:,.0f} output tokens a row"
                                                                 if spec.mode == "generate" else "") + repeats)
     return Part(name="engine", seconds=seconds, source=source), tokens
-
-
-def step_costs(engine: str, trials) -> tuple[float, float, int] | None:
-    """Generation: a call's seconds = a x decode steps + c x row steps, fitted (least squares, both >= 0) to
-    the engine's trials' timed calls here; (a, c, calls). None without calls of two sizes to tell them apart."""
-    calls = [call for _, t in trials if t.engine == engine for call in t.calls if len(call) >= 4 and call[2] > 0]
-    if len({call[0] for call in calls}) < 2:
-        return None
-    s11 = sum(c[2] ** 2 for c in calls)
-    s12 = sum(c[2] * c[3] for c in calls)
-    s22 = sum(c[3] ** 2 for c in calls)
-    t1 = sum(c[1] * c[2] for c in calls)
-    t2 = sum(c[1] * c[3] for c in calls)
-    det = s11 * s22 - s12 * s12
-    a, c = ((t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det) if det > 0 else (-1.0, -1.0)
-    if c < 0 or a < 0:  # one term alone, whichever fits better
-        alone = [(0.0, t2 / s22), (t1 / s11, 0.0)]
-        a, c = min(alone, key=lambda ac: sum((x[1] - ac[0] * x[2] - ac[1] * x[3]) ** 2 for x in calls))
-    return a, c, len(calls)
-
-
-def expected_longest(outputs: list[int], rows: int) -> float:
-    """The expected longest of `rows` outputs drawn from `outputs` (what a call of that many rows decodes to)."""
-    xs = sorted(outputs)
-    k = len(xs)
-    return sum(x * (((i + 1) / k) ** rows - (i / k) ** rows) for i, x in enumerate(xs))
-
-
-def spread(lengths: list[int], rows: int) -> list[int]:
-    """`rows` lengths with the sample's distribution (its quantiles, interpolated): a shard's rows as the
-    sample sees them, without repeating the sample's few values (which would fill length buckets no real
-    shard fills)."""
-    xs = sorted(lengths) or [1]
-    if len(xs) == 1:
-        return xs * rows
-    out = []
-    for i in range(rows):
-        q = (i + 0.5) / rows * (len(xs) - 1)
-        low = int(q)
-        high = min(low + 1, len(xs) - 1)
-        out.append(round(xs[low] + (xs[high] - xs[low]) * (q - low)))
-    return out
-
-
-def generate_seconds(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed: bool) -> tuple[float, str] | None:
-    """Generation's engine seconds from its calls: each shard's rows cut as the runner cuts them (plan_feed,
-    on the sample's lengths), each call's decode steps (its expected longest output) and row steps at
-    the step costs the engine's trials measured here. A call of more rows costs more per step, but not
-    in proportion: the rate depends on the rows a call holds, which a rate over length alone misses."""
-    fitted = step_costs(engine, trials)
-    mine = [t for _, t in trials if t.engine == engine and t.row_outputs]
-    if fitted is None or not mine or not sample.shards:
-        return None
-    a, c, n_calls = fitted
-    outputs = [o for t in mine for o in t.row_outputs]
-    n = max(spec.generation.n, 1)
-    trial_cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)
-    if spec.generation.max_tokens > trial_cap:  # a row the trial cut at its cap runs on to the job's
-        outputs = [spec.generation.max_tokens if o >= trial_cap else o for o in outputs]
-    rows = sample.rows_to_compute(collapsed)
-    per_shard = [rows // sample.shards + (1 if i < rows % sample.shards else 0) for i in range(sample.shards)]
-    seconds, calls_made, rows_per_call = 0.0, 0, []
-    for shard_rows in {r: None for r in per_shard}:  # equal shards: each size once, times its count
-        count = per_shard.count(shard_rows)
-        calls = plan_feed(spread(sample.lengths, shard_rows), spec, engine) if shard_rows else []
-        for call in calls:
-            steps = expected_longest(outputs, len(call))
-            row_steps = len(call) * (steps if engine_pads(engine) else statistics.fmean(outputs))
-            seconds += count * (a * steps + c * row_steps * n)  # n choices: n sequences a row
-        calls_made += count * len(calls)
-        rows_per_call += [len(call) for call in calls] * count
-    mean_rows = statistics.fmean(rows_per_call) if rows_per_call else 0.0
-    return seconds, (f"{calls_made:,} calls of {mean_rows:,.1f} rows on average (cut as the runner cuts the "
-                         f"sample's lengths), each {a * 1000:,.0f} ms a decode step + {c * 1000:,.1f} ms a row's "
-                         f"step, fitted to {engine}'s {n_calls} timed trial calls here")
 
 
 # ---- the job -----------------------------------------------------------------------------------------
@@ -522,6 +444,10 @@ def orchestration_part(parts: dict[str, Any], key: str, engine_start: float) -> 
     trial runs first, which waits for the API), then the flow starts: what of it the engine's start does
     not hide."""
     api, main, flow = (_seconds(parts, key, name) for name in ("orchestrator API", "main thread", "flow start"))
+    if main["source"].startswith("default"):
+        beside, source = stored(parts, key, MAIN_BESIDE_TRIAL, None)
+        if beside is not None:
+            main = {"seconds": beside, "source": f"{source}, in runs with trials"}
     seconds = max(api["seconds"], main["seconds"] + engine_start) - engine_start + flow["seconds"]
     return Part(name="orchestration start", seconds=seconds, source=(
         f"API {api['seconds']:.1f} s ({api['source']}) beside main thread {main['seconds']:.1f} s "
@@ -635,15 +561,16 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         return {}
     # tasks/warm.py: before a first trial the main thread waits for the API; the engine starts ahead of the flow
     trials = _span(marks, "engine_choice_start", "engine_choice_done") if trials_ran else 0.0
+    waited = _span(marks, "api_wait", "engine_choice_start") if trials_ran else 0.0
     early = _span(marks, "early_engine_start", "early_engine_ready")
     prepare = _span(marks, "first_shard_started", "first_engine_call")
     index = _span(marks, "index_start", "index_done")
     fixed: dict[str, float] = {
         "python imports": _span(marks, "process", "cli_ready"),
         "orchestrator API": _span(marks, "api_start", "api_ready"),
-        # with a trial, the main thread's work ran beside the API's start on a shared CPU, and the prediction
-        # reads max(API, main thread) there: a figure that would bias the next run's, so none is stored
-        **({} if trials_ran else {"main thread": _span(marks, "cli_ready", "tracking_warm") - early}),
+        # with a trial, the main thread's work ran beside less of the API's start: stored apart (see MAIN_BESIDE_TRIAL)
+        (MAIN_BESIDE_TRIAL if trials_ran else "main thread"):
+            _span(marks, "cli_ready", "tracking_warm") - trials - waited - early,
         "flow start": _span(marks, "flow_called", "first_engine_call") - prepare,
         "finish": _span(marks, "shards_done", "record_started") - index}
     engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
