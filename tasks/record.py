@@ -144,7 +144,8 @@ def predicted_against_measured_wall(spec: JobSpec, engine: str, engine_choice, m
     trials_ran = engine_choice is not None and not engine_choice.cached and bool(engine_choice.trials)
     rows_read = sum(r.rows_out + r.rows_rejected for r in fresh)  # what the shards read, tokenized and wrote
     trial_engine_seconds = sum(t.wall_seconds for t in engine_choice.trials) if trials_ran else 0.0
-    prediction.remember_run(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds)
+    prediction.remember_run(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
+                            shards_read=len(fresh))
     get_run_logger().info("%s", predicted.describe())
     return prediction.compare(predicted, metrics)
 

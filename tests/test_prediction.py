@@ -97,8 +97,10 @@ def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_p
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(job_a["cache"]))
     stored = json.loads((job_a["cache"] / "run-parts.json").read_text())
-    a_figures = {round(v, 3) for entry in stored.values() for name, values in entry.items()
-                 if not name.startswith("_") for v in values}
+    # every figure A's run stored; not the machine's speed (a command's imports, by device: it scales B's
+    # defaults as it scales any job's here, and B's parts say so)
+    a_figures = {round(v, 3) for key, entry in stored.items() if not key.endswith("|machine")
+                 for name, values in entry.items() if not name.startswith("_") for v in values}
     (tmp_path / "in").mkdir()
     write_parquet(tmp_path / "in" / "docs.parquet", ["q1", "q2", "q3"], TEXTS[:3])
     job_b = PrefectJob.model_validate({
@@ -110,6 +112,7 @@ def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_p
         assert round(part.seconds, 3) not in a_figures or part.seconds == 0, part
         assert part.is_default or part.name == "engine start" and "default" in part.source, part
     assert "default: transformers never measured here for this job" in b.part("engine").source
+    assert "this machine's speed" in b.part("python imports").source
     # generation counts output tokens: with no trial, 0.9 of max_tokens a row
     assert b.tokens > 3 * 0.9 * 16
 
@@ -214,3 +217,22 @@ def test_the_main_thread_of_a_run_with_trials_stands_in_until_a_warm_run_measure
     assert part.seconds == pytest.approx(12.0 + 0.5) and "in runs with trials" in part.source
     warm = {"here|transformers|generate": {"main thread": [9.0]}, **first}
     assert orchestration_part(warm, "here|transformers|generate", 0.5).seconds == pytest.approx(9.0 + 0.5)
+
+
+def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_path, monkeypatch):
+    """A default is a quiet reference machine's figure: scaled by this machine's speed (the first command's
+    imports here against the reference's), seconds up and tokens/s down; once stored, every command reads
+    the same figure. A library call that never measured it leaves the defaults as stated."""
+    from tokenmill import prediction
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
+    assert prediction.machine_speed() == (1.0, "")
+    assert prediction.stored({}, "cpu-test|vllm|embed", "exit", 3.5)[0] == 3.5
+    prediction.remember_parts({"cpu-test|machine": {"python imports": 2 * prediction.DEFAULT_SECONDS["python imports"]}})
+    assert prediction.machine_speed()[0] == pytest.approx(2.0)
+    seconds, source = prediction.stored({}, "cpu-test|vllm|embed", "exit", 3.5)
+    assert seconds == pytest.approx(7.0) and "x 2.00 (this machine's speed" in source
+    assert prediction.default_rate_here("vllm", "embed") == pytest.approx(prediction.default_rate("vllm", "embed") / 2)
+    measured = {"cpu-test|vllm|embed": {"exit": [1.0]}}
+    assert prediction.stored(measured, "cpu-test|vllm|embed", "exit", 3.5)[0] == 1.0  # a measured part: as measured

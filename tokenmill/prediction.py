@@ -74,6 +74,10 @@ DEFAULT_SECONDS = {
 MAIN_BESIDE_TRIAL = "main thread, a run with trials"
 AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL}
 OVERHEAD = "shard overhead per 1,000 rows"
+# Each shard is a Prefect task: its run, state and persisted result cost about this much whatever its rows
+# (bench/PREDICTION.md's runs here: 0.56 s for 1,000 short rows in one shard, 1.6 s for 8,000 in two: 0.45 s
+# a shard + 0.15 s per 1,000 rows). A stated figure: a run's own overhead is stored per 1,000 rows after it.
+PER_SHARD_SECONDS = 0.45
 # Per engine (and mode where they differ): start (the library's import included), exit, and tokens/s, for an
 # engine never measured here. Quiet 2-core CPU (bench/PREDICTION.md's trials and runs): vLLM's start 23-37 s
 # embedding MiniLM (its first on a machine the longest), 81 s generating with SmolLM2 (its import
@@ -208,6 +212,34 @@ def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> li
     return sorted(points.values())
 
 
+def machine_speed() -> tuple[float, str]:
+    """How much slower than the machine the defaults were measured on this one is, by a part every command
+    measures before it predicts: its Python imports (process start to the command's start), against
+    DEFAULT_SECONDS' (the same work). The first command that predicts on this device stores its figure and
+    every later one reads it, so plan, calibrate and run scale their defaults alike. It scales every
+    default: seconds up, tokens/s down (two 2-core CPUs of one type here took 1.8-1.9 s and 3.3-4.8 s for
+    the imports, and their engine starts and rates differed by about as much). 1.0 before any command
+    measured it (a library call does not start at a command)."""
+    key = f"{device_label()}|machine"
+    imports = (read_parts().get(key, {}).get("python imports") or [None])[0]
+    if imports is None:
+        marks = timeline.marks()
+        if not timeline.measures_process() or "command_ready" not in marks:
+            return 1.0, ""
+        imports = round(marks["command_ready"] - timeline.process_started(), 3)  # as stored
+        remember_parts({key: {"python imports": imports}})
+    factor = min(max(imports / DEFAULT_SECONDS["python imports"], 0.5), 4.0)
+    return factor, f" x {factor:.2f} (this machine's speed: a command's imports took {imports:.1f} s here)"
+
+
+def default_start_here(engine: str, mode: str) -> float:
+    return default_start(engine, mode) * machine_speed()[0]
+
+
+def default_rate_here(engine: str, mode: str) -> float:
+    return default_rate(engine, mode) / machine_speed()[0]
+
+
 def stored(parts: dict[str, Any], key: str, name: str, default: float | None) -> tuple[float | None, str]:
     """A part's seconds here (the median of its last measurements) and where they came from. A part of
     the process around the engine (AROUND_THE_ENGINE) that runs on this engine never measured is read
@@ -222,7 +254,10 @@ def stored(parts: dict[str, Any], key: str, name: str, default: float | None) ->
             values = parts[other][name]
             source = f"measured here on {other.split('|')[1]}, median of {len(values)} run{'s' if len(values) > 1 else ''}"
     if not values:
-        return default, "default: never measured here" + (f", {default:g} s" if default is not None else "")
+        if default is None:
+            return None, "default: never measured here"
+        factor, why = machine_speed()
+        return default * factor, f"default: never measured here, {default:g} s{why}"
     return statistics.median(values), source
 
 
@@ -261,9 +296,10 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
     tokens = row_share * sum(n + out_per_row for n in lengths)
     repeats = f"; {sample.distinct_source}" if collapsed else ""
     if not points:
-        rate = default_rate(engine, spec.mode)
+        rate = default_rate_here(engine, spec.mode)
         return Part(name="engine", seconds=tokens / rate, source=f"default: {engine} never measured here for "
-                    f"this job, {rate:,.0f} tokens/s{repeats}"), tokens
+                    f"this job, {rate:,.0f} tokens/s ({default_rate(engine, spec.mode):,.0f}{machine_speed()[1]})"
+                    f"{repeats}"), tokens
     curve = [(mean + out_per_row, rate) for mean, rate, _ in points]
     seconds = row_share * sum((n + out_per_row) / rate_at(curve, n + out_per_row) for n in lengths)
     measured_at = ", ".join(f"{m:,.0f} ({where})" for m, _, where in points)
@@ -412,6 +448,9 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> 
     at_length = f"{OVERHEAD}@{length_class(statistics.fmean(sample.lengths or [1]))}"
     per_1k = [(at_length if stored(parts, fixed, at_length, None)[0] is not None else OVERHEAD, "shard overhead",
                sample.rows_read or sample.rows)]
+    out.append(Part(name="shard tasks", seconds=PER_SHARD_SECONDS * machine_speed()[0] * sample.shards, source=(
+        f"default: {PER_SHARD_SECONDS:g} s a shard{machine_speed()[1]}, never measured apart (a Prefect task's "
+        f"run, state and result), x {sample.shards}")))
     if spec.index is not None and spec.mode == "embed":
         per_1k.append(("index build per 1,000 rows", "index build", sample.rows))
     for name, label, rows in per_1k:
@@ -477,12 +516,12 @@ def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: l
         out_per_row = (output_tokens_per_row(spec, [t for _, t in trials if t.engine == engine])
                        if spec.mode == "generate" else 0.0)
         if start is None:
-            start, start_source = default_start(engine, spec.mode), "default"
+            start, start_source = default_start_here(engine, spec.mode), "default"
         if points:
             curve = [(m + min(out_per_row, TRIAL_MAX_TOKENS), r) for m, r, _ in points]
             rate, rate_source = rate_at(curve, mean + min(out_per_row, TRIAL_MAX_TOKENS)), "measured"
         else:
-            rate, rate_source = default_rate(engine, spec.mode), "default"
+            rate, rate_source = default_rate_here(engine, spec.mode), "default"
         defaults += (start_source == "default") + (rate_source == "default")
         each.append((start + tokens / rate, f"{engine} {start:.1f} s start ({start_source}) + {tokens:,.0f} tokens "
                                             f"at {rate:,.0f} tokens/s ({rate_source})"))
@@ -553,9 +592,10 @@ def _span(marks: dict[str, float], start: str, end: str) -> float:
 
 def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
                    trials_ran: bool, rows_read: int | None = None,
-                   trial_engine_seconds: float = 0.0) -> dict[str, dict[str, float]]:
+                   trial_engine_seconds: float = 0.0, shards_read: int = 0) -> dict[str, dict[str, float]]:
     """This run's parts, by the cache key each is stored under (see `predict`). trial_engine_seconds: the
-    trials' engines' whole trials (each engine's `wall_seconds`), when this run paid for trials."""
+    trials' engines' whole trials (each engine's `wall_seconds`), when this run paid for trials;
+    shards_read: the shards it ran (each a task: PER_SHARD_SECONDS of its overhead is theirs, not the rows')."""
     marks = {"process": timeline.process_started(), **timeline.marks()}
     if not timeline.measures_process() or not {"cli_ready", "tracking_warm", "flow_called", "first_engine_call"} <= set(marks):
         return {}
@@ -576,7 +616,8 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
     rows_read = rows_read if rows_read is not None else engine_rows
     if rows_read > 0 and "shards_done" in marks:
-        outside = (_span(marks, "first_engine_call", "shards_done") + prepare - engine_seconds) / rows_read * 1000
+        outside = _span(marks, "first_engine_call", "shards_done") + prepare - engine_seconds
+        outside = max(outside - PER_SHARD_SECONDS * machine_speed()[0] * shards_read, 0.0) / rows_read * 1000
         fixed[OVERHEAD] = outside  # reading, tokenizing, writing: it grows with the rows' length, so by length too
         if engine_rows > 0 and engine_tokens > 0:
             mean = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
@@ -620,9 +661,11 @@ _exit_from: list[tuple[str, float]] = []  # (parts key, record's start) of the r
 
 
 def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
-                 trials_ran: bool, rows_read: int | None = None, trial_engine_seconds: float = 0.0) -> None:
+                 trials_ran: bool, rows_read: int | None = None, trial_engine_seconds: float = 0.0,
+                 shards_read: int = 0) -> None:
     """Store this run's measured parts for the next prediction of any job on this engine here."""
-    remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds))
+    remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
+                                  shards_read))
     marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
     if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
         _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"])]
