@@ -236,3 +236,24 @@ def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_
     assert prediction.default_rate_here("vllm", "embed") == pytest.approx(prediction.default_rate("vllm", "embed") / 2)
     measured = {"cpu-test|vllm|embed": {"exit": [1.0]}}
     assert prediction.stored(measured, "cpu-test|vllm|embed", "exit", 3.5)[0] == 1.0  # a measured part: as measured
+
+
+def test_output_length_is_read_only_from_trials_of_the_same_corpus_and_prompt():
+    """How long a generation's answers run belongs to its corpus and prompt: a trial of another corpus (same
+    model, mode and length class) gives the job's default, 0.9 of its cap, not that corpus's answers."""
+    from tokenmill.engine_choice import EngineTrial, output_identity, output_tokens_per_row
+    from tokenmill.spec import JobSpec
+
+    def job(input_, content="Summarize: {text}"):
+        return JobSpec.model_validate({"input": input_, "mode": "generate", "model": {"name": "SmolLM2-135M-Instruct"},
+                                       "generation": {"max_tokens": 64,
+                                                      "messages": [{"role": "user", "content": content}]}})
+
+    a, b, a_asked_otherwise = job("corpus-a"), job("corpus-b"), job("corpus-a", "Classify: {text}")
+    trial = EngineTrial(engine="transformers", start_seconds=1.0, tokens_per_s=100.0, rows=12, tokens=1200,
+                        seconds=12.0, output_tokens=12 * 18, corpus=output_identity(a))
+    assert output_tokens_per_row(a, [trial]) == pytest.approx(18.0)
+    assert output_tokens_per_row(b, [trial]) == pytest.approx(0.9 * 64)
+    assert output_tokens_per_row(a_asked_otherwise, [trial]) == pytest.approx(0.9 * 64)
+    assert output_identity(a) == output_identity(a.model_copy(update={"generation": a.generation.model_copy(
+        update={"max_tokens": 16})}))  # the cap is not part of it: the trial runs at its own

@@ -67,6 +67,7 @@ class EngineTrial(BaseModel):
     tokens_per_s_by_streams: dict[int, float] = {}
     estimated_from: list[float] = []  # judged, not run: the mean tokens per row of the cached trials it came from
     wall_seconds: float = 0.0  # the whole trial of this engine: start, warm-up call, every timed pass
+    corpus: str = ""  # generate: output_identity of the job whose sample it generated (its outputs' length is that job's)
 
 
 class EngineChoice(BaseModel):
@@ -357,9 +358,21 @@ def judge_from_other_lengths(cache: dict[str, Any], family: str, mean_tokens: fl
     return [nearest[e].model_copy(update={"estimated_from": [nearest_mean]}) for e in able]
 
 
+def output_identity(spec: JobSpec) -> str:
+    """What a generation's output length depends on besides the model: the corpus and what is asked of it
+    (messages or template, sampling, stops, structure), not the cap (the trial runs at its own)."""
+    if spec.mode != "generate":
+        return ""
+    asked = spec.generation.model_dump(mode="json", exclude={"max_tokens"})
+    return stable_digest({"input": spec.input, "generation": asked}, 16)
+
+
 def output_tokens_per_row(spec: JobSpec, trials: list[EngineTrial]) -> float:
-    """Generation: the output tokens a job's row will have, from its trials: their mean, or, where the
-    trial's outputs ran to the trial's cap, the job's own cap (0.9 of max_tokens, times n)."""
+    """Generation: the output tokens a job's row will have, from the trials that generated this job's own
+    corpus and prompt: their mean, or, where the trial's outputs ran to the trial's cap (or no trial
+    generated this corpus: another corpus's answers say nothing of this one's), the job's own cap (0.9 of
+    max_tokens, times n)."""
+    trials = [t for t in trials if t.corpus == output_identity(spec)]
     out_per_row = max((t.output_tokens / t.rows for t in trials if t.rows), default=0.0)
     trial_cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)
     if not trials or out_per_row >= 0.9 * trial_cap:
@@ -474,4 +487,4 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
     return EngineTrial(engine=engine, start_seconds=start_seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
                        rows=len(rows), tokens=tokens, seconds=seconds, output_tokens=produced, streams=streams,
                        tokens_per_s_by_streams=by_streams if len(candidates) > 1 else {},
-                       wall_seconds=time.perf_counter() - started)
+                       wall_seconds=time.perf_counter() - started, corpus=output_identity(spec))
