@@ -74,10 +74,11 @@ DEFAULT_SECONDS = {
 MAIN_BESIDE_TRIAL = "main thread, a run with trials"
 AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL}
 OVERHEAD = "shard overhead per 1,000 rows"
-# Each shard is a Prefect task: its run, state and persisted result cost about this much whatever its rows
-# (bench/PREDICTION.md's runs here: 0.56 s for 1,000 short rows in one shard, 1.6 s for 8,000 in two: 0.45 s
-# a shard + 0.15 s per 1,000 rows). A stated figure: a run's own overhead is stored per 1,000 rows after it.
-PER_SHARD_SECONDS = 0.45
+# Each shard is a Prefect task: its run, state and persisted result cost about this much whatever its rows.
+# Measured 0.45 s a shard on a machine whose imports took 3.8 s (bench/PREDICTION.md's runs: 0.56 s for
+# 1,000 short rows in one shard, 1.6 s for 8,000 in two), so 0.24 s on the reference machine (2.0 s) that
+# machine_speed scales from. A stated figure: a run's own overhead is stored per 1,000 rows after it.
+PER_SHARD_SECONDS = 0.24
 # Per engine (and mode where they differ): start (the library's import included), exit, and tokens/s, for an
 # engine never measured here. Quiet 2-core CPU (bench/PREDICTION.md's trials and runs): vLLM's start 23-37 s
 # embedding MiniLM (its first on a machine the longest), 81 s generating with SmolLM2 (its import
