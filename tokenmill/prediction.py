@@ -631,10 +631,9 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
                                         f"mean_tokens@{length_class(mean_in)}": mean_in}
     if trials_ran:
-        out[trials_key(spec)] = {"engine trials": trials}
         if trial_engine_seconds:  # what the trials cost besides the engines: the sample's reading, closing them
             kept = engine == trial_order(runnable_engines(spec)[0])[-1]
-            out[trials_key(spec)][trial_overhead_name(kept)] = trials - trial_engine_seconds
+            out[trials_key(spec)] = {trial_overhead_name(kept): trials - trial_engine_seconds}
     elif early or "engine_start" in marks:
         out[engine_key(spec, engine)] = {"engine start": early or _span(marks, "engine_start", "engine_ready")}
     return out
