@@ -50,8 +50,8 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
                 log_gate_run(spec, gate_report)
                 raise GateFailed(gate_report.message())
             if gate_report.action == "reference":
-                logger.warning("no candidate passed the gate; running the corpus with the reference %s",
-                               gate_report.reference.model)
+                logger.warning("%s; running the corpus with the reference %s",
+                               gate_report.declined or "no candidate passed the gate", gate_report.reference.model)
             spec = spec.model_copy(update={"model": chosen_model(spec, gate_report)})
         spec = prepare_server_job(spec)  # stop_by fixed; an openai-server checked before any shard
         shards = discover_shards_task(spec)

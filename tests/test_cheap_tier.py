@@ -144,8 +144,8 @@ def test_the_ladder_runs_the_cheapest_candidate_that_passes_and_records_every_ru
         prefect_server, models_home, tmp_path, corpus, embed_spec):
     from tokenmill.flows.batch import batch_flow
 
-    spec = embed_spec(corpus, model=REFERENCE, gate={"reference": REFERENCE, "sample_rows": 128,
-                                                     "candidates": [INT4, INT8_PARTIAL]})
+    spec = embed_spec(corpus, model=REFERENCE, gate={"reference": REFERENCE, "sample_rows": 128,  # whatever it
+                                                     "candidates": [INT4, INT8_PARTIAL], "min_saving": None})  # costs
     record = batch_flow(spec)
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
     run = mlflow.get_run(record.mlflow_run_id)

@@ -47,6 +47,63 @@ def test_generation_agreement_counts_exact_matches_and_the_agreeing_prefix():
     assert 0.5 < values["similarity_mean"] < 1.0
 
 
+def _rung(model, usd_per_1m, passed=True):
+    from tokenmill.gate import CandidateVerdict, GateMetric, ModelCost
+
+    cost = ModelCost(model=model, engine="openvino", seconds=1.0, tokens=1000, tokens_per_s=1.0 / usd_per_1m,
+                     usd_per_1m_tokens=usd_per_1m)
+    return CandidateVerdict(cost=cost, passed=passed,
+                            metrics=[GateMetric(name="cosine_mean", value=0.999 if passed else 0.5, threshold=0.99,
+                                                passed=passed)])
+
+
+def test_a_candidate_that_passes_but_saves_nothing_leaves_the_corpus_to_the_reference(tmp_path, monkeypatch):
+    from tokenmill import gate
+    from tokenmill.gate import GateReport, chosen_model, evaluate, verdict_key
+
+    reference = _rung("all-MiniLM-L6-v2", 0.0200).cost
+    ladder = [{"name": "all-MiniLM-L6-v2", "engine": "openvino", "quantization": "int8"},
+              {"name": "all-MiniLM-L6-v2", "engine": "onnxruntime", "quantization": "int8"}]
+
+    def judged(rungs, **gate_fields):
+        spec = JobSpec(input=str(tmp_path), gate={"reference": {"name": "all-MiniLM-L6-v2", "engine": "openvino"},
+                                                  "candidates": ladder, **gate_fields})
+        return spec, GateReport.judge(spec, "sample", 128, reference, rungs)
+
+    # int8 on a CPU without VNNI: it passes, and costs 3% more than float32; the other rung fails
+    spec, report = judged([_rung("int8 ov", 0.0205), _rung("int8 ort", 0.0100, passed=False)])
+    assert report.passed and report.action == "reference" and report.chosen is None
+    assert chosen_model(spec, report) == spec.gate.reference
+    assert "int8 ov (openvino) passed but costs 2% more" in report.declined
+    assert "the corpus ran on the reference" in report.verdict(1e6) and report.usd_saved(1e6) == 0.0
+    assert report.mlflow_metrics()["gate_usd_per_1m_saved_fraction"] == 0.0
+    assert "saves too little to run the corpus" in report.message() and "runs the corpus" not in \
+        report.message().replace("saves too little to run the corpus", "")
+    assert report.table()[1]["verdict"] == "pass, saves too little to run the corpus"
+    # with on_fail: fail too: a candidate passed, so the reference runs; the job does not stop
+    assert judged([_rung("int8 ov", 0.0205)], on_fail="fail")[1].action == "reference"
+    # a saving runs the candidate; a saving under min_saving does not; min_saving null runs any that passes
+    assert judged([_rung("int8 ov", 0.0150)])[1].action == "candidate"
+    assert judged([_rung("int8 ov", 0.0180)], min_saving=0.2)[1].action == "reference"
+    assert judged([_rung("int8 ov", 0.0180)], min_saving=0.05)[1].chosen == 0
+    assert judged([_rung("int8 ov", 0.0300)], min_saving=None)[1].action == "candidate"
+    assert judged([_rung("int8 ov", 0.0210)], min_saving=-0.1)[1].action == "candidate"
+    # the saving is judged on the rung that runs: a listed-first rung within the tie margin of the cheapest
+    assert judged([_rung("int8 ov", 0.0195), _rung("int8 ort", 0.0180)])[1].chosen == 0
+    with pytest.raises(ValueError):
+        JobSpec(gate={"reference": {}, "min_saving": 1.0})
+
+    # a kept verdict is judged again under the job's min_saving: no engine starts
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    spec, report = judged([_rung("int8 ov", 0.0205), _rung("int8 ort", 0.0100, passed=False)])
+    gate._write_verdict(verdict_key(spec, ["a", "b"]), report)
+    again = evaluate(spec, ["a", "b"], "sample")
+    assert again.cached and again.action == "reference" and again.declined == report.declined
+    relaxed = spec.model_copy(update={"gate": spec.gate.model_copy(update={"min_saving": None})})
+    assert verdict_key(relaxed, ["a", "b"]) == verdict_key(spec, ["a", "b"])
+    assert evaluate(relaxed, ["a", "b"], "sample").action == "candidate"
+
+
 def test_the_sample_is_deterministic_whatever_the_sharding(tmp_path):
     write_parquet(tmp_path / "a.parquet", [f"a{i}" for i in range(300)], [f"text {i}" for i in range(300)],
                   row_group_size=50)
@@ -157,7 +214,8 @@ def test_embed_gate_passes_a_matching_candidate_and_the_corpus_runs_with_it(tmp_
     from tokenmill.flows.batch import batch_flow
 
     spec = embed_spec(embed_corpus, model=TEST_EMBED_MODEL,  # candidate: the same MiniLM on vLLM
-                      gate={"reference": REFERENCE_EMBED, "sample_rows": 64})
+                      # whatever it costs here: this test is about quality, the fast one above about cost
+                      gate={"reference": REFERENCE_EMBED, "sample_rows": 64, "min_saving": None})
     record = batch_flow(spec)
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
     run = mlflow.get_run(record.mlflow_run_id)

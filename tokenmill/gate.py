@@ -101,28 +101,40 @@ class GateReport(BaseModel):
     candidates: list[CandidateVerdict] = []  # every rung, in the order the job lists them
     chosen: int | None = None  # which rung runs the corpus (action "candidate")
     cached: bool = False  # this machine's earlier verdict on the same sample, models and thresholds
+    declined: str = ""  # why the cheapest passing candidate does not run (it saves less than gate.min_saving)
 
     @classmethod
     def judge(cls, spec: JobSpec, source: str, sample_rows: int, reference: ModelCost,
               verdicts: list[CandidateVerdict]) -> "GateReport":
-        """The cheapest candidate by measured $/1M among those that pass runs the corpus."""
+        """The cheapest candidate by measured $/1M among those that pass runs the corpus, if it saves at least
+        gate.min_saving of the reference's $/1M; otherwise the reference runs it (a candidate that passed but
+        costs as much or more on this machine would trade quality for nothing)."""
         passing = [i for i, v in enumerate(verdicts) if v.passed]
-        chosen = None
+        chosen, declined = None, ""
         if passing:  # within COST_TIE_MARGIN of the cheapest, the rung the job lists first: a re-run's
             # measurement noise must not flip the choice (the model is in the shards' cache keys)
             cheapest = min(verdicts[i].cost.usd_per_1m_tokens for i in passing)
             chosen = next(i for i in passing if verdicts[i].cost.usd_per_1m_tokens <= cheapest * (1 + COST_TIE_MARGIN))
+            saving = _saving(reference, verdicts[chosen].cost)
+            if _gate(spec).min_saving is not None and saving < _gate(spec).min_saving:
+                best = next(i for i in passing if verdicts[i].cost.usd_per_1m_tokens == cheapest)
+                declined = (f"{verdicts[best].cost.model} ({verdicts[best].cost.engine}) passed but "
+                            + (f"saves only {saving:.0%}" if saving >= 0 else f"costs {-saving:.0%} more")
+                            + f" against the reference on this machine (${verdicts[best].cost.usd_per_1m_tokens:.4f}"
+                            f" against ${reference.usd_per_1m_tokens:.4f}/1M; gate.min_saving "
+                            f"{_gate(spec).min_saving:.0%})")
+                chosen = None
         shown = verdicts[chosen if chosen is not None else 0]
-        action = _action(spec, bool(passing))
+        action = "reference" if declined else _action(spec, bool(passing))
         return cls(mode=spec.mode, sample_rows=sample_rows, sample_source=source, passed=bool(passing),
                    metrics=shown.metrics, reference=reference, candidate=shown.cost, action=action,
-                   candidates=verdicts, chosen=chosen)
+                   candidates=verdicts, chosen=chosen, declined=declined)
 
     def verdict(self, job_tokens: float | None = None) -> str:
         """One line: which model ran the corpus, and what that saved against the reference."""
         if self.action != "candidate":
-            return (f"no candidate passed the eval gate; the corpus ran on the reference {self.reference.model} "
-                    f"({self.reference.engine})")
+            return ((f"{self.declined}: " if self.declined else "no candidate passed the eval gate; ")
+                    + f"the corpus ran on the reference {self.reference.model} ({self.reference.engine})")
         line = (f"the eval gate chose {self.candidate.model} ({self.candidate.engine}): "
                 f"${self.candidate.usd_per_1m_tokens:.4f}/1M tokens against the reference's "
                 f"${self.reference.usd_per_1m_tokens:.4f} ({self.saving():+.0%} saved)")
@@ -138,8 +150,7 @@ class GateReport(BaseModel):
 
     def saving(self) -> float:
         """The share of the reference's $/1M tokens that the chosen model saves (negative: it costs more)."""
-        reference = self.reference.usd_per_1m_tokens
-        return 1 - self.candidate.usd_per_1m_tokens / reference if reference else 0.0
+        return _saving(self.reference, self.candidate)
 
     def message(self) -> str:
         rungs = self.candidates or [CandidateVerdict(cost=self.candidate, metrics=self.metrics, passed=self.passed)]
@@ -152,6 +163,8 @@ class GateReport(BaseModel):
             verdict = "pass" if rung.passed else (rung.skipped or "FAIL")
             if index == self.chosen:
                 verdict += ", runs the corpus"
+            elif rung.passed and self.declined:
+                verdict += ", saves too little to run the corpus"
             lines.append(f"candidate {rung.cost.model} ({rung.cost.engine}): {verdict}; "
                          f"{rung.cost.tokens_per_s:,.0f} tokens/s (${rung.cost.usd_per_1m_tokens:.4f}/1M)")
             for m in rung.metrics:
@@ -162,6 +175,8 @@ class GateReport(BaseModel):
             lines.append(f"the corpus runs on {self.candidate.model} ({self.candidate.engine}): "
                          + (f"it saves {saving:.0%} of the reference's $/1M" if saving >= 0
                             else f"it costs {-saving:.0%} more than the reference"))
+        elif self.declined:
+            lines.append(f"{self.declined}: the corpus runs on the reference")
         else:
             lines.append("no candidate passed: " + ("the corpus runs on the reference" if self.action == "reference"
                                                     else "the job stops (gate.on_fail: fail)"))
@@ -198,7 +213,8 @@ class GateReport(BaseModel):
                  "tokens_per_s": round(self.reference.tokens_per_s), "usd_per_1m_tokens":
                  round(self.reference.usd_per_1m_tokens, 4), **{m.name: "" for m in self.metrics}, "verdict": ""}]
         for index, rung in enumerate(rungs):
-            verdict = ("pass, runs the corpus" if index == self.chosen else "pass") if rung.passed \
+            verdict = ("pass, runs the corpus" if index == self.chosen else
+                       "pass, saves too little to run the corpus" if self.declined else "pass") if rung.passed \
                 else (rung.skipped or f"FAIL ({rung.failures()})")
             rows.append({"model": rung.cost.model, "engine": rung.cost.engine, "role": f"candidate {index + 1}",
                          "tokens_per_s": round(rung.cost.tokens_per_s),
@@ -302,8 +318,11 @@ def evaluate(spec: JobSpec, texts: list[str], source: str, refresh: bool = False
     if not refresh:
         known = _read_verdicts().get(key)
         if known is not None:
-            report = GateReport.model_validate(known["report"])
-            return report.model_copy(update={"cached": True, "action": _action(spec, report.passed)})
+            report = GateReport.model_validate(known["report"])  # judged again: on_fail or min_saving may differ
+            if not report.candidates:  # a verdict kept before ladders
+                return report.model_copy(update={"cached": True, "action": _action(spec, report.passed)})
+            return GateReport.judge(spec, report.sample_source, report.sample_rows, report.reference,
+                                    report.candidates).model_copy(update={"cached": True})
     report = measure(spec, texts, source)
     _write_verdict(key, report)
     return report
@@ -511,6 +530,11 @@ def _cost(job: JobSpec, run: SampleRun, spec: JobSpec) -> ModelCost:
 def _label(job: JobSpec) -> str:
     return job.model_name + (f" [{job.model.quantization}]" if job.model.quantization else "") + \
         (f" [{job.model.dtype}]" if job.model.dtype != "auto" else "")
+
+
+def _saving(reference: ModelCost, candidate: ModelCost) -> float:
+    """The share of the reference's $/1M tokens the candidate saves (negative: it costs more)."""
+    return 1 - candidate.usd_per_1m_tokens / reference.usd_per_1m_tokens if reference.usd_per_1m_tokens else 0.0
 
 
 def _action(spec: JobSpec, passed: bool) -> str:
