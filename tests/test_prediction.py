@@ -97,10 +97,12 @@ def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_p
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(job_a["cache"]))
     stored = json.loads((job_a["cache"] / "run-parts.json").read_text())
-    # every figure A's run stored; not the machine's speed (a command's imports, by device: it scales B's
-    # defaults as it scales any job's here, and B's parts say so)
+    # every figure A's run stored; not the machine's speed (a command's imports, by device, before any job
+    # file is read: the same work for every job; it scales B's defaults as it scales any job's here, and B's
+    # parts say so)
     a_figures = {round(v, 3) for key, entry in stored.items() if not key.endswith("|machine")
-                 for name, values in entry.items() if not name.startswith("_") for v in values}
+                 for name, values in entry.items() if not name.startswith("_") and name != "python imports"
+                 for v in values}
     (tmp_path / "in").mkdir()
     write_parquet(tmp_path / "in" / "docs.parquet", ["q1", "q2", "q3"], TEXTS[:3])
     job_b = PrefectJob.model_validate({
@@ -222,7 +224,7 @@ def test_the_main_thread_of_a_run_with_trials_stands_in_until_a_warm_run_measure
 def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_path, monkeypatch):
     """A default is a quiet reference machine's figure: scaled by this machine's speed (the first command's
     imports here against the reference's), seconds up and tokens/s down; once stored, every command reads
-    the same figure. A library call that never measured it leaves the defaults as stated."""
+    the same figure, until runs measured their imports here: then their median. A library call that never measured it leaves the defaults as stated."""
     from tokenmill import prediction
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
@@ -236,6 +238,14 @@ def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_
     assert prediction.default_rate_here("vllm", "embed") == pytest.approx(prediction.default_rate("vllm", "embed") / 2)
     measured = {"cpu-test|vllm|embed": {"exit": [1.0]}}
     assert prediction.stored(measured, "cpu-test|vllm|embed", "exit", 3.5)[0] == 1.0  # a measured part: as measured
+    # once runs measured their imports here (any engine and mode), their median: not one process's figure
+    prediction.remember_parts({"cpu-test|vllm|embed": {"python imports": 3.0}})
+    prediction.remember_parts({"cpu-test|transformers|generate": {"python imports": 3.4}})
+    prediction.remember_parts({"cpu-test|transformers|generate": {"python imports": 9.0}})  # one loaded run
+    prediction.remember_parts({"other-device|vllm|embed": {"python imports": 20.0}})  # another device's
+    factor, why = prediction.machine_speed()
+    assert factor == pytest.approx(3.4 / prediction.DEFAULT_SECONDS["python imports"])
+    assert "the median of 3 runs' imports here, 3.4 s" in why
 
 
 def test_output_length_is_read_only_from_trials_of_the_same_corpus_and_prompt():

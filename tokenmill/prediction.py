@@ -216,21 +216,33 @@ def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> li
 def machine_speed() -> tuple[float, str]:
     """How much slower than the machine the defaults were measured on this one is, by a part every command
     measures before it predicts: its Python imports (process start to the command's start), against
-    DEFAULT_SECONDS' (the same work). The first command that predicts on this device stores its figure and
-    every later one reads it, so plan, calibrate and run scale their defaults alike. It scales every
-    default: seconds up, tokens/s down (two 2-core CPUs of one type here took 1.8-1.9 s and 3.3-4.8 s for
-    the imports, and their engine starts and rates differed by about as much). 1.0 before any command
-    measured it (a library call does not start at a command)."""
-    key = f"{device_label()}|machine"
-    imports = (read_parts().get(key, {}).get("python imports") or [None])[0]
-    if imports is None:
-        marks = timeline.marks()
-        if not timeline.measures_process() or "command_ready" not in marks:
-            return 1.0, ""
-        imports = round(marks["command_ready"] - timeline.process_started(), 3)  # as stored
-        remember_parts({key: {"python imports": imports}})
+    DEFAULT_SECONDS' (the same work). Once runs have measured their imports on this device (any engine,
+    any mode: the same work), the median of their last measurements; before that, the figure the first
+    command that predicted here stored, which every later command reads, so plan, calibrate and run scale
+    their defaults alike (a run changes it as it changes every measured part). A median of runs, because one
+    process's imports moved 3.1-4.9 s within an hour on a shared host, and the first on a machine was the
+    slowest. It scales every default: seconds up, tokens/s down (two 2-core CPUs of one type here took
+    1.8-1.9 s and 3.3-4.8 s for the imports, and their engine starts and rates differed by about as much).
+    1.0 before any command measured it (a library call does not start at a command)."""
+    parts = read_parts()
+    device = device_label()
+    runs = [seconds for key, entry in sorted(parts.items()) if key.startswith(f"{device}|") and key.count("|") == 2
+            for seconds in entry.get("python imports", [])]
+    if runs:
+        imports = statistics.median(runs)
+        why = f"the median of {len(runs)} runs' imports here, {imports:.1f} s"
+    else:
+        key = f"{device}|machine"
+        imports = (parts.get(key, {}).get("python imports") or [None])[0]
+        if imports is None:
+            marks = timeline.marks()
+            if not timeline.measures_process() or "command_ready" not in marks:
+                return 1.0, ""
+            imports = round(marks["command_ready"] - timeline.process_started(), 3)  # as stored
+            remember_parts({key: {"python imports": imports}})
+        why = f"a command's imports took {imports:.1f} s here"
     factor = min(max(imports / DEFAULT_SECONDS["python imports"], 0.5), 4.0)
-    return factor, f" x {factor:.2f} (this machine's speed: a command's imports took {imports:.1f} s here)"
+    return factor, f" x {factor:.2f} (this machine's speed: {why})"
 
 
 def default_start_here(engine: str, mode: str) -> float:
