@@ -170,6 +170,23 @@ def test_identical_inputs_count_once_in_the_engines_rows(tmp_path, monkeypatch):
     assert every.tokens == pytest.approx(10 * collapsed.tokens)
 
 
+def test_shard_overhead_at_an_unmeasured_length_scales_from_the_nearest_length_measured_here():
+    """Reading and tokenizing grow with the rows' length: rows of ~64 tokens read at the overhead measured
+    at ~256 tokens a row divided by 4 (not the median over every length, which long rows dominate)."""
+    from tokenmill.prediction import OVERHEAD, overhead_part
+
+    parts = {"here|transformers|embed": {OVERHEAD: [0.05, 1.2, 1.2], f"{OVERHEAD}@4": [0.05], f"{OVERHEAD}@8": [1.2]}}
+    at_8 = overhead_part(parts, "here|transformers|embed", 8, 2000)
+    assert at_8.seconds == pytest.approx(2.4) and "at this length" in at_8.source
+    at_7 = overhead_part(parts, "here|transformers|embed", 7, 2000)
+    assert at_7.seconds == pytest.approx(1.2) and "~256 tokens a row" in at_7.source
+    at_6 = overhead_part(parts, "here|transformers|embed", 6, 2000)  # as far from 4 as from 8: both, scaled
+    assert at_6.seconds == pytest.approx((0.05 * 4 + 1.2 / 4) / 2 * 2)
+    assert "~16 tokens a row and ~256 tokens a row" in at_6.source
+    unmeasured = overhead_part({}, "here|transformers|embed", 6, 2000)
+    assert "default: never measured here" in unmeasured.source
+
+
 def test_orchestration_start_is_what_the_engines_start_does_not_hide():
     """Prefect's API starts beside the main thread and the engine's start: figures measured beside vLLM's
     long start predict transformers' short one, and the reverse."""

@@ -93,6 +93,11 @@ DISTINCT_ROWS_READ = 1_000_000  # rows read to count identical inputs; beyond th
 KEEP_LAST = 5
 
 
+def default_exit(engine: str) -> float:
+    """An engine's closing seconds never measured here (an engine of neither kind: 2 s, stated)."""
+    return DEFAULT_ENGINE_EXIT.get(engine, 2.0)
+
+
 class Part(BaseModel):
     name: str
     seconds: float
@@ -441,6 +446,31 @@ def trial_start(spec: JobSpec, engine: str, sample: JobSample, trials) -> float:
     return min(mine, key=lambda m: abs(math.log(m[0]) - math.log(max(mean, 1.0))))[1].start_seconds
 
 
+def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int) -> Part:
+    """Reading, tokenizing and writing the rows outside the engine, per 1,000 rows at this length class as
+    measured here; else scaled from the nearest length class measured here by the rows' length (a class is
+    twice the tokens a row of the one below: the text read and tokenized grows with it; the runs here took
+    0.0-0.1 s per 1,000 rows of ~19 tokens, 0.2 of ~57, 1.1-1.3 of ~255); else the rows' median at any
+    length, or the default."""
+    seconds, source = stored(parts, key, f"{OVERHEAD}@{length}", None)
+    if seconds is not None:
+        source += " at this length"
+    else:
+        measured = sorted((abs(int(name.split("@")[1]) - length), int(name.split("@")[1]))
+                          for name, values in parts.get(key, {}).items()
+                          if name.startswith(f"{OVERHEAD}@") and values)
+        if measured:
+            nearest = [at for gap, at in measured if gap == measured[0][0]]
+            scaled = [stored(parts, key, f"{OVERHEAD}@{at}", None)[0] * 2.0 ** (length - at) for at in nearest]
+            seconds = statistics.fmean(scaled)
+            runs = len(parts[key][f"{OVERHEAD}@{nearest[0]}"])
+            source = (f"measured here at {' and '.join(f'~{2 ** at} tokens a row' for at in nearest)} "
+                      f"(median of {runs} run{'s' if runs > 1 else ''}), x the rows' length (~{2 ** length} tokens)")
+        else:
+            seconds, source = stored(parts, key, OVERHEAD, DEFAULT_SECONDS[OVERHEAD])
+    return Part(name="shard overhead", seconds=seconds * rows / 1000, source=f"{seconds:.2f} s per 1,000 rows, {source}")
+
+
 def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> Prediction:
     """The whole process's seconds in parts (see the module's docstring); reads nothing but this job's
     sample, this job's trials (`trials`) and the parts measured here for its engine (`parts`)."""
@@ -458,21 +488,17 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> 
         out.append(trials_part(spec, sample, parts, able, trials, kept=engine == trial_order(able)[-1]))
     engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts)
     out += [start, engine_seconds]
-    at_length = f"{OVERHEAD}@{length_class(statistics.fmean(sample.lengths or [1]))}"
-    per_1k = [(at_length if stored(parts, fixed, at_length, None)[0] is not None else OVERHEAD, "shard overhead",
-               sample.rows_read or sample.rows)]
     out.append(Part(name="shard tasks", seconds=PER_SHARD_SECONDS * machine_speed()[0] * sample.shards, source=(
         f"default: {PER_SHARD_SECONDS:g} s a shard{machine_speed()[1]}, never measured apart (a Prefect task's "
         f"run, state and result), x {sample.shards}")))
+    out.append(overhead_part(parts, fixed, length_class(statistics.fmean(sample.lengths or [1])),
+                             sample.rows_read or sample.rows))
     if spec.index is not None and spec.mode == "embed":
-        per_1k.append(("index build per 1,000 rows", "index build", sample.rows))
-    for name, label, rows in per_1k:
-        seconds, source = stored(parts, fixed, name, DEFAULT_SECONDS[name.split("@")[0]])
-        source += " at this length" if "@" in name else ""
-        out.append(Part(name=label, seconds=seconds * rows / 1000, source=f"{seconds:.2f} s per 1,000 rows, {source}"))
+        seconds, source = stored(parts, fixed, "index build per 1,000 rows", DEFAULT_SECONDS["index build per 1,000 rows"])
+        out.append(Part(name="index build", seconds=seconds * sample.rows / 1000,
+                        source=f"{seconds:.2f} s per 1,000 rows, {source}"))
     out.append(Part(name="finish", **_seconds(parts, fixed, "finish")))
-    exit_default = DEFAULT_ENGINE_EXIT.get(engine, 2.0)
-    seconds, source = stored(parts, fixed, "exit", exit_default)
+    seconds, source = stored(parts, fixed, "exit", default_exit(engine))
     out.append(Part(name="exit", seconds=seconds, source=f"{engine}: {source}"))
     if why.startswith("default"):
         out[0].source += f"; engine {engine}: {why}"
@@ -538,7 +564,7 @@ def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: l
         defaults += (start_source == "default") + (rate_source == "default")
         each.append((start + tokens / rate, f"{engine} {start:.1f} s start ({start_source}) + {tokens:,.0f} tokens "
                                             f"at {rate:,.0f} tokens/s ({rate_source})"))
-    closing = 0.0 if kept else DEFAULT_ENGINE_EXIT.get(trial_order(able)[-1], 2.0)
+    closing = 0.0 if kept else default_exit(trial_order(able)[-1])
     besides, source = stored(parts, trials_key(spec), trial_overhead_name(kept), 1.0 + closing)
     seconds = sum(s for s, _ in each) + besides
     text = "; ".join(t for _, t in each) + f"; besides the engines {besides:.1f} s ({source})"
