@@ -26,7 +26,7 @@ def gate_flow(spec: PrefectJob, record: bool = True) -> GateReport:
         texts, source = gate_sample_task(spec)
         report = gate_evaluate_task(spec, texts, source)
         create_table_artifact(report.table(), key="tokenmill-gate", description=report.message())
-        (logger.info if report.passed else logger.warning)("%s", report.message())
+        (logger.info if report.action == "candidate" else logger.warning)("%s", report.message())
         if record:
             log_gate_run(spec, report)
         if report.action == "fail" and record:

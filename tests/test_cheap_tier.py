@@ -190,8 +190,9 @@ def test_a_rung_this_machine_measured_too_slow_to_be_chosen_is_not_run(models_ho
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     partial = {**INT8, "quantization": "int8-partial"}
-    spec = JobSpec(input=str(corpus), model=REFERENCE, gate={
-        "reference": REFERENCE, "sample_rows": 64, "candidates": [INT8, partial], "thresholds": {"top10_overlap": 0.5}})
+    spec = JobSpec(input=str(corpus), model=REFERENCE, gate={  # min_saving null: chosen whatever int8 saves here
+        "reference": REFERENCE, "sample_rows": 64, "candidates": [INT8, partial], "thresholds": {"top10_overlap": 0.5},
+        "min_saving": None})
     texts, source = sample_texts(spec)
 
     def seed_rate(tokens_per_s):  # as an earlier ladder on this machine would have noted it, at every length

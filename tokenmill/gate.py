@@ -59,7 +59,7 @@ PARSED_AGREEMENT_THRESHOLD = 0.80
 SIMILARITY_MODEL = "all-MiniLM-L6-v2"
 # Candidates that pass and cost within this share of the cheapest count as equally cheap: the one the job
 # lists first runs. Sample timings move by a few percent run to run (more on a shared machine).
-COST_TIE_MARGIN = 0.10
+COST_TIE_MARGIN = 0.10  # gate.min_saving's default is the same margin against the reference
 
 
 class GateMetric(BaseModel):
@@ -106,25 +106,26 @@ class GateReport(BaseModel):
     @classmethod
     def judge(cls, spec: JobSpec, source: str, sample_rows: int, reference: ModelCost,
               verdicts: list[CandidateVerdict]) -> "GateReport":
-        """The cheapest candidate by measured $/1M among those that pass runs the corpus, if it saves at least
-        gate.min_saving of the reference's $/1M; otherwise the reference runs it (a candidate that passed but
-        costs as much or more on this machine would trade quality for nothing)."""
+        """The cheapest candidate by measured $/1M among those that pass and save at least gate.min_saving of
+        the reference's $/1M runs the corpus. When candidates pass but none saves that much, the reference
+        runs it (a candidate that saves nothing on this machine, or less than the sample's timing noise,
+        would trade quality for nothing), and `declined` says why."""
         passing = [i for i, v in enumerate(verdicts) if v.passed]
-        chosen, declined = None, ""
-        if passing:  # within COST_TIE_MARGIN of the cheapest, the rung the job lists first: a re-run's
+        floor = _gate(spec).min_saving
+        enough = [i for i in passing if floor is None or _saving(reference, verdicts[i].cost) >= floor]
+        chosen, declined, best = None, "", 0
+        if enough:  # within COST_TIE_MARGIN of the cheapest, the rung the job lists first: a re-run's
             # measurement noise must not flip the choice (the model is in the shards' cache keys)
-            cheapest = min(verdicts[i].cost.usd_per_1m_tokens for i in passing)
-            chosen = next(i for i in passing if verdicts[i].cost.usd_per_1m_tokens <= cheapest * (1 + COST_TIE_MARGIN))
-            saving = _saving(reference, verdicts[chosen].cost)
-            if _gate(spec).min_saving is not None and saving < _gate(spec).min_saving:
-                best = next(i for i in passing if verdicts[i].cost.usd_per_1m_tokens == cheapest)
-                declined = (f"{verdicts[best].cost.model} ({verdicts[best].cost.engine}) passed but "
-                            + (f"saves only {saving:.0%}" if saving >= 0 else f"costs {-saving:.0%} more")
-                            + f" against the reference on this machine (${verdicts[best].cost.usd_per_1m_tokens:.4f}"
-                            f" against ${reference.usd_per_1m_tokens:.4f}/1M; gate.min_saving "
-                            f"{_gate(spec).min_saving:.0%})")
-                chosen = None
-        shown = verdicts[chosen if chosen is not None else 0]
+            cheapest = min(verdicts[i].cost.usd_per_1m_tokens for i in enough)
+            chosen = next(i for i in enough if verdicts[i].cost.usd_per_1m_tokens <= cheapest * (1 + COST_TIE_MARGIN))
+        elif passing:
+            best = min(passing, key=lambda i: verdicts[i].cost.usd_per_1m_tokens)
+            saving = _saving(reference, verdicts[best].cost)
+            declined = (f"{verdicts[best].cost.model} ({verdicts[best].cost.engine}) passed but "
+                        + (f"saves only {saving:.1%}" if saving >= 0 else f"costs {-saving:.1%} more")
+                        + f" against the reference on this machine (${verdicts[best].cost.usd_per_1m_tokens:.4f}"
+                        f" against ${reference.usd_per_1m_tokens:.4f}/1M; gate.min_saving {floor:g})")
+        shown = verdicts[chosen if chosen is not None else best]  # the declined one, when one was
         action = "reference" if declined else _action(spec, bool(passing))
         return cls(mode=spec.mode, sample_rows=sample_rows, sample_source=source, passed=bool(passing),
                    metrics=shown.metrics, reference=reference, candidate=shown.cost, action=action,
@@ -319,10 +320,10 @@ def evaluate(spec: JobSpec, texts: list[str], source: str, refresh: bool = False
         known = _read_verdicts().get(key)
         if known is not None:
             report = GateReport.model_validate(known["report"])  # judged again: on_fail or min_saving may differ
-            if not report.candidates:  # a verdict kept before ladders
-                return report.model_copy(update={"cached": True, "action": _action(spec, report.passed)})
+            rungs = report.candidates or [  # a verdict kept before ladders: its one candidate
+                CandidateVerdict(cost=report.candidate, metrics=report.metrics, passed=report.passed)]
             return GateReport.judge(spec, report.sample_source, report.sample_rows, report.reference,
-                                    report.candidates).model_copy(update={"cached": True})
+                                    rungs).model_copy(update={"cached": True})
     report = measure(spec, texts, source)
     _write_verdict(key, report)
     return report
@@ -533,8 +534,14 @@ def _label(job: JobSpec) -> str:
 
 
 def _saving(reference: ModelCost, candidate: ModelCost) -> float:
-    """The share of the reference's $/1M tokens the candidate saves (negative: it costs more)."""
-    return 1 - candidate.usd_per_1m_tokens / reference.usd_per_1m_tokens if reference.usd_per_1m_tokens else 0.0
+    """The share of the reference's $/1M tokens the candidate saves (negative: it costs more). Both run at
+    the job's one price, so from their measured rates: a price of 0 still tells a faster model from a slower
+    one. Rounded, so that a saving of exactly a stated share is not a hair under it."""
+    if reference.tokens_per_s > 0 and candidate.tokens_per_s > 0:
+        return round(1 - reference.tokens_per_s / candidate.tokens_per_s, 9)
+    if reference.usd_per_1m_tokens:
+        return round(1 - candidate.usd_per_1m_tokens / reference.usd_per_1m_tokens, 9)
+    return 0.0
 
 
 def _action(spec: JobSpec, passed: bool) -> str:

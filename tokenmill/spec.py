@@ -401,11 +401,12 @@ class GateSpec(_Spec):
     on_fail: Literal["fail", "use_reference"] = Field(
         "fail", description="fail: the flow ends Failed. use_reference: the corpus runs with the reference.")
     min_saving: float | None = Field(
-        0.0, lt=1, title="Minimum saving",
+        0.1, lt=1, title="Minimum saving",
         description="The share of the reference's measured $/1M tokens a passing candidate must save to run the "
         "corpus; one that saves less (on this machine, e.g. int8 on a CPU without VNNI) leaves the corpus to the "
-        "reference, at its exact quality. 0: any saving; 0.2: at least 20%; negative: a candidate that costs up "
-        "to that share more still runs. Empty: any candidate that passes runs, whatever it costs.")
+        "reference, at its exact quality. 0.1 (default): more than the sample's timing noise; 0: any saving; "
+        "negative: a candidate that costs up to that share more still runs. Empty: any candidate that passes "
+        "runs, whatever it costs.")
 
     @model_validator(mode="after")
     def _one_way_to_name_candidates(self) -> "GateSpec":
