@@ -97,12 +97,10 @@ def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_p
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(job_a["cache"]))
     stored = json.loads((job_a["cache"] / "run-parts.json").read_text())
-    # every figure A's run stored; not the machine's speed (a command's imports, by device, before any job
-    # file is read: the same work for every job; it scales B's defaults as it scales any job's here, and B's
-    # parts say so)
+    # every figure A's run stored; not the machine's speed (a command's imports, by device: it scales B's
+    # defaults as it scales any job's here, and B's parts say so)
     a_figures = {round(v, 3) for key, entry in stored.items() if not key.endswith("|machine")
-                 for name, values in entry.items() if not name.startswith("_") and name != "python imports"
-                 for v in values}
+                 for name, values in entry.items() if not name.startswith("_") for v in values}
     (tmp_path / "in").mkdir()
     write_parquet(tmp_path / "in" / "docs.parquet", ["q1", "q2", "q3"], TEXTS[:3])
     job_b = PrefectJob.model_validate({
@@ -185,6 +183,8 @@ def test_shard_overhead_at_an_unmeasured_length_scales_from_the_nearest_length_m
     assert "~16 tokens a row and ~256 tokens a row" in at_6.source
     unmeasured = overhead_part({}, "here|transformers|embed", 6, 2000)
     assert "default: never measured here" in unmeasured.source
+    far = overhead_part(parts, "here|transformers|embed", 11, 2000)  # 3 classes from any measured: no x8
+    assert far.seconds == pytest.approx(1.2 * 2) and "median of 3 runs" in far.source
 
 
 def test_orchestration_start_is_what_the_engines_start_does_not_hide():
@@ -255,14 +255,13 @@ def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_
     assert prediction.default_rate_here("vllm", "embed") == pytest.approx(prediction.default_rate("vllm", "embed") / 2)
     measured = {"cpu-test|vllm|embed": {"exit": [1.0]}}
     assert prediction.stored(measured, "cpu-test|vllm|embed", "exit", 3.5)[0] == 1.0  # a measured part: as measured
-    # once runs measured their imports here (any engine and mode), their median: not one process's figure
-    prediction.remember_parts({"cpu-test|vllm|embed": {"python imports": 3.0}})
-    prediction.remember_parts({"cpu-test|transformers|generate": {"python imports": 3.4}})
-    prediction.remember_parts({"cpu-test|transformers|generate": {"python imports": 9.0}})  # one loaded run
-    prediction.remember_parts({"other-device|vllm|embed": {"python imports": 20.0}})  # another device's
+    # each run adds its command's imports (any job): their median, not one process's figure
+    for imports in (3.0, 3.4, 9.0):  # 9.0: one loaded run
+        prediction.remember_parts({"cpu-test|machine": {"python imports": imports}})
+    prediction.remember_parts({"other-device|machine": {"python imports": 20.0}})  # another device's
     factor, why = prediction.machine_speed()
-    assert factor == pytest.approx(3.4 / prediction.DEFAULT_SECONDS["python imports"])
-    assert "the median of 3 runs' imports here, 3.4 s" in why
+    assert factor == pytest.approx(3.7 / prediction.DEFAULT_SECONDS["python imports"])  # of 4.0, 3.0, 3.4, 9.0
+    assert "the median of 4 commands' imports here, 3.7 s" in why
 
 
 def test_output_length_is_read_only_from_trials_of_the_same_corpus_and_prompt():

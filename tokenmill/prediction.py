@@ -91,6 +91,9 @@ DEFAULT_TOKENS_PER_S_BY_MODE = {"embed": 7_000.0, "generate": 170.0}
 DEFAULT_WINNER = {"embed": "transformers", "generate": "vllm"}  # auto's usual choice on a CPU, without trials
 DISTINCT_ROWS_READ = 1_000_000  # rows read to count identical inputs; beyond them, the share counted so far
 KEEP_LAST = 5
+# A shard overhead is scaled from a measured length class at most this many classes (x2 each) away: part of
+# it is per row, not per token, and a factor of 4 is as far as the runs here bear it out.
+MAX_LENGTH_CLASSES_SCALED = 2
 
 
 def default_exit(engine: str) -> float:
@@ -229,25 +232,34 @@ def machine_speed() -> tuple[float, str]:
     slowest. It scales every default: seconds up, tokens/s down (two 2-core CPUs of one type here took
     1.8-1.9 s and 3.3-4.8 s for the imports, and their engine starts and rates differed by about as much).
     1.0 before any command measured it (a library call does not start at a command)."""
-    parts = read_parts()
-    device = device_label()
-    runs = [seconds for key, entry in sorted(parts.items()) if key.startswith(f"{device}|") and key.count("|") == 2
-            for seconds in entry.get("python imports", [])]
-    if runs:
-        imports = statistics.median(runs)
-        why = f"the median of {len(runs)} runs' imports here, {imports:.1f} s"
-    else:
-        key = f"{device}|machine"
-        imports = (parts.get(key, {}).get("python imports") or [None])[0]
+    key = machine_key()
+    measured = read_parts().get(key, {}).get("python imports") or []
+    if not measured:
+        imports = command_imports()
         if imports is None:
-            marks = timeline.marks()
-            if not timeline.measures_process() or "command_ready" not in marks:
-                return 1.0, ""
-            imports = round(marks["command_ready"] - timeline.process_started(), 3)  # as stored
-            remember_parts({key: {"python imports": imports}})
+            return 1.0, ""
+        remember_parts({key: {"python imports": imports}})
+        measured = [imports]
+    if len(measured) > 1:
+        imports = statistics.median(measured)
+        why = f"the median of {len(measured)} commands' imports here, {imports:.1f} s"
+    else:
+        imports = measured[0]
         why = f"a command's imports took {imports:.1f} s here"
     factor = min(max(imports / DEFAULT_SECONDS["python imports"], 0.5), 4.0)
     return factor, f" x {factor:.2f} (this machine's speed: {why})"
+
+
+def machine_key() -> str:
+    return f"{device_label()}|machine"
+
+
+def command_imports() -> float | None:
+    """This process's imports: its start to its command's start (before any job file is read), as stored."""
+    marks = timeline.marks()
+    if not timeline.measures_process() or "command_ready" not in marks:
+        return None
+    return round(marks["command_ready"] - timeline.process_started(), 3)
 
 
 def default_start_here(engine: str, mode: str) -> float:
@@ -448,18 +460,18 @@ def trial_start(spec: JobSpec, engine: str, sample: JobSample, trials) -> float:
 
 def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int) -> Part:
     """Reading, tokenizing and writing the rows outside the engine, per 1,000 rows at this length class as
-    measured here; else scaled from the nearest length class measured here by the rows' length (a class is
-    twice the tokens a row of the one below: the text read and tokenized grows with it; the runs here took
-    0.0-0.1 s per 1,000 rows of ~19 tokens, 0.2 of ~57, 1.1-1.3 of ~255); else the rows' median at any
-    length, or the default."""
+    measured here; else scaled from the nearest length class measured here, at most
+    MAX_LENGTH_CLASSES_SCALED away, by the rows' length (a class is twice the tokens a row of the one below:
+    the text read and tokenized grows with it; the runs here took 0.0-0.1 s per 1,000 rows of ~19 tokens,
+    0.2 of ~57, 1.1-1.3 of ~255); else the median at any length, or the default."""
     seconds, source = stored(parts, key, f"{OVERHEAD}@{length}", None)
     if seconds is not None:
         source += " at this length"
     else:
         measured = sorted((abs(int(name.split("@")[1]) - length), int(name.split("@")[1]))
                           for name, values in parts.get(key, {}).items()
-                          if name.startswith(f"{OVERHEAD}@") and values)
-        if measured:
+                          if name.startswith(f"{OVERHEAD}@") and name.split("@")[1].isdigit() and values)
+        if measured and measured[0][0] <= MAX_LENGTH_CLASSES_SCALED:
             nearest = [at for gap, at in measured if gap == measured[0][0]]
             scaled = [stored(parts, key, f"{OVERHEAD}@{at}", None)[0] * 2.0 ** (length - at) for at in nearest]
             seconds = statistics.fmean(scaled)
@@ -664,6 +676,9 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     if index and engine_rows > 0:
         fixed["index build per 1,000 rows"] = index / engine_rows * 1000
     out = {fixed_key(spec, engine): fixed}
+    imports = command_imports()
+    if imports is not None:  # the machine's speed (machine_speed): every run's command imports, any job
+        out[machine_key()] = {"python imports": imports}
     if engine_rows > 0 and engine_seconds > 0 and engine_tokens > 0:
         mean_in = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
         out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
