@@ -224,12 +224,11 @@ def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> li
 def machine_speed() -> tuple[float, str]:
     """How much slower than the machine the defaults were measured on this one is, by a part every command
     measures before it predicts: its Python imports (process start to the command's start), against
-    DEFAULT_SECONDS' (the same work). Once runs have measured their imports on this device (any engine,
-    any mode: the same work), the median of their last measurements; before that, the figure the first
-    command that predicted here stored, which every later command reads, so plan, calibrate and run scale
-    their defaults alike (a run changes it as it changes every measured part). A median of runs, because one
-    process's imports moved 3.1-4.9 s within an hour on a shared host, and the first on a machine was the
-    slowest. It scales every default: seconds up, tokens/s down (two 2-core CPUs of one type here took
+    DEFAULT_SECONDS' (the same work). The first command that predicts on this device stores its figure under
+    machine_key(), and every run adds its own (measured_parts): the median of the last KEEP_LAST. Only a run
+    changes it, as it changes every measured part, so plan, calibrate and run of one job scale their defaults
+    alike. A median, because one process's imports moved 3.1-4.9 s within an hour on a shared host, and the
+    first on a machine was the slowest. It scales every default: seconds up, tokens/s down (two 2-core CPUs of one type here took
     1.8-1.9 s and 3.3-4.8 s for the imports, and their engine starts and rates differed by about as much).
     1.0 before any command measured it (a library call does not start at a command)."""
     key = machine_key()
@@ -468,9 +467,9 @@ def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int) -> Pa
     if seconds is not None:
         source += " at this length"
     else:
-        measured = sorted((abs(int(name.split("@")[1]) - length), int(name.split("@")[1]))
-                          for name, values in parts.get(key, {}).items()
-                          if name.startswith(f"{OVERHEAD}@") and name.split("@")[1].isdigit() and values)
+        classes = [int(at) for name, values in parts.get(key, {}).items() if values
+                   for base, _, at in [name.partition("@")] if base == OVERHEAD and at.isdigit()]
+        measured = sorted((abs(at - length), at) for at in classes)
         if measured and measured[0][0] <= MAX_LENGTH_CLASSES_SCALED:
             nearest = [at for gap, at in measured if gap == measured[0][0]]
             scaled = [stored(parts, key, f"{OVERHEAD}@{at}", None)[0] * 2.0 ** (length - at) for at in nearest]
@@ -500,8 +499,9 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> 
         out.append(trials_part(spec, sample, parts, able, trials, kept=engine == trial_order(able)[-1]))
     engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts)
     out += [start, engine_seconds]
-    out.append(Part(name="shard tasks", seconds=PER_SHARD_SECONDS * machine_speed()[0] * sample.shards, source=(
-        f"default: {PER_SHARD_SECONDS:g} s a shard{machine_speed()[1]}, never measured apart (a Prefect task's "
+    factor, why = machine_speed()
+    out.append(Part(name="shard tasks", seconds=PER_SHARD_SECONDS * factor * sample.shards, source=(
+        f"default: {PER_SHARD_SECONDS:g} s a shard{why}, never measured apart (a Prefect task's "
         f"run, state and result), x {sample.shards}")))
     out.append(overhead_part(parts, fixed, length_class(statistics.fmean(sample.lengths or [1])),
                              sample.rows_read or sample.rows))
