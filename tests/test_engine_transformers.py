@@ -169,3 +169,26 @@ def test_generation_with_left_padding_is_greedy_and_deterministic():
     assert [g.text for g in first] == [g.text for g in again]
     assert first[0].text == alone[0].text  # left padding does not change the answer
     assert first[1].output_tokens == 12 and first[1].finish_reason == "length"
+
+
+def test_a_generation_trial_measures_calls_of_two_widths_and_its_answers():
+    """The trial's calls (tokenmill.call_costs) are what the next prediction of a generation job is fit to: its
+    timed calls as the runner cuts them, one call of another width (the fit's per-step cost apart from its
+    per-row cost), and every timed row's answer length."""
+    from tokenmill.call_costs import fit
+    from tokenmill.engine_choice import run_trial
+
+    spec = JobSpec(mode="generate", model=ModelSpec(name="SmolLM2-135M-Instruct", engine="transformers"),
+                   generation={"max_tokens": 8, "messages": [{"role": "user", "content": "{text}"}]})
+    model_path = resolve_model(spec.model_name)
+    rows = encode_rows(TEXTS[:6], spec, model_path).token_ids
+    trial = run_trial(spec, "transformers", model_path, rows)
+    assert trial.error is None
+    timed = trial.rows
+    assert len(trial.output_lengths) == timed and all(1 <= n <= 8 for n in trial.output_lengths)
+    widths = [c.rows for c in trial.calls]
+    assert sum(widths[:-1]) == timed and widths[-1] == timed and timed not in widths[:-1], widths
+    for call in trial.calls:
+        assert call.seconds > 0 and 1 <= call.steps <= 8 and call.output_slots == call.rows * call.steps
+    assert sum(c.output_slots for c in trial.calls[:-1]) >= sum(trial.output_lengths)  # finished rows wait padded
+    assert fit(trial.calls) is not None

@@ -39,7 +39,8 @@ from tokenmill.engine_protocol import run_engine
 from tokenmill.engines import discard_engine, engine_key, get_engine, is_open
 from tokenmill.models import resolve_model
 from tokenmill.openai_batch import input_mode
-from tokenmill.runner import plan_feed, run_batches
+from tokenmill.call_costs import CallCost
+from tokenmill.runner import engine_pads, plan_feed, run_batches
 from tokenmill.versions import library_versions
 from tokenmill.sampling import corpus_sample
 from tokenmill.spec import ONNX_QUANTIZATIONS, JobSpec, transformers_unsupported
@@ -68,6 +69,10 @@ class EngineTrial(BaseModel):
     estimated_from: list[float] = []  # judged, not run: the mean tokens per row of the cached trials it came from
     wall_seconds: float = 0.0  # the whole trial of this engine: start, warm-up call, every timed pass
     corpus: str = ""  # generate: output_identity of the job whose sample it generated (its outputs' length is that job's)
+    # generate: each timed call's shape and seconds, and one call of another width (tokenmill.call_costs); the
+    # timed rows' answers in tokens, at the trial's cap (min(max_tokens, TRIAL_MAX_TOKENS))
+    calls: list[CallCost] = []
+    output_lengths: list[int] = []
 
 
 class EngineChoice(BaseModel):
@@ -468,10 +473,11 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         candidates = [running, 1] if running > 1 and not spec.model.cpu_streams else [running]
         by_streams: dict[int, float] = {}
         fastest = None
+        shapes: list[CallCost] = []
         for streams in candidates:
             if len(candidates) > 1:
                 instance.set_streams(streams)
-            outputs, seconds = run_batches(instance, calls, rows, job, None)  # as the runner calls it
+            outputs, seconds = run_batches(instance, calls, rows, job, None, shapes)  # as the runner calls it
             produced = sum(g.output_tokens for call in outputs for g in call) if spec.mode == "generate" else 0
             by_streams[streams] = (tokens + produced) / seconds if seconds else 0.0
             if fastest is None or by_streams[streams] > by_streams[fastest[0]]:
@@ -480,6 +486,9 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         if len(candidates) > 1:
             instance.set_streams(streams)
         tokens += produced
+        answers = [g.output_tokens for call in outputs for g in call] if spec.mode == "generate" else []
+        if spec.mode == "generate":
+            shapes += _other_width(instance, rows, calls, job)
     except Exception as exc:  # noqa: BLE001 - an engine that cannot run here loses, with its reason
         log.warning("engine auto: %s failed its trial: %s", engine, exc)
         return EngineTrial(engine=engine, start_seconds=0, tokens_per_s=0, rows=0, tokens=0, seconds=0,
@@ -487,4 +496,23 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
     return EngineTrial(engine=engine, start_seconds=start_seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
                        rows=len(rows), tokens=tokens, seconds=seconds, output_tokens=produced, streams=streams,
                        tokens_per_s_by_streams=by_streams if len(candidates) > 1 else {},
-                       wall_seconds=time.perf_counter() - started, corpus=output_identity(spec))
+                       wall_seconds=time.perf_counter() - started, corpus=output_identity(spec), calls=shapes,
+                       output_lengths=answers)
+
+
+def _other_width(instance, rows: list[list[int]], calls: list[list[int]], job: JobSpec) -> list[CallCost]:
+    """Generate: one more call, of a width the timed calls did not have, so that a fit of their seconds
+    (tokenmill.call_costs) can tell a step's fixed cost from its cost per row. An engine that pads gets every
+    row at once, each cut to the shortest row's last tokens (little padding, its template's end kept); one
+    that does not, the shortest row alone. Not counted in the trial's tokens/s."""
+    widths = {len(call) for call in calls}
+    shortest = min(len(r) for r in rows)
+    if engine_pads(instance.name):
+        other = [r[-shortest:] for r in rows]
+    else:
+        other = [min(rows, key=len)]
+    if len(other) in widths:
+        return []
+    shapes: list[CallCost] = []
+    run_batches(instance, [list(range(len(other)))], other, job, None, shapes)
+    return shapes

@@ -37,13 +37,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tokenmill import timeline
+from tokenmill import call_costs, timeline
 from tokenmill.device import device_label
 from tokenmill.engine_choice import (
     TRIAL_MAX_TOKENS,
     cache_dir,
     engine_trials,
     length_class,
+    output_identity,
     output_tokens_per_row,
     runnable_engines,
     trial_family,
@@ -55,6 +56,7 @@ from tokenmill.outputs import MANIFEST, OutputStore
 from tokenmill.planning import row_cache_share, rows_per_shard
 from tokenmill.prompts import prompt_columns, text_column_used
 from tokenmill.row_cache import bypass_reason, cache_uri
+from tokenmill.runner import engine_pads, plan_feed
 from tokenmill.shards import discover_shards_for, read_shard
 from tokenmill.spec import JobSpec
 
@@ -324,6 +326,9 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
     row_share = sample.rows_to_compute(collapsed) / len(lengths)
     tokens = row_share * sum(n + out_per_row for n in lengths)
     repeats = f"; {sample.distinct_source}" if collapsed else ""
+    by_calls = calls_part(spec, engine, sample, trials, collapsed, tokens, repeats)
+    if by_calls is not None:
+        return by_calls, tokens
     if not points:
         rate = default_rate_here(engine, spec.mode)
         return Part(name="engine", seconds=tokens / rate, source=f"default: {engine} never measured here for "
@@ -336,6 +341,43 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
               f"measured here at {measured_at} tokens a row" + (f"; {out_per_row:,.0f} output tokens a row"
                                                                 if spec.mode == "generate" else "") + repeats)
     return Part(name="engine", seconds=seconds, source=source), tokens
+
+
+def job_answers(spec: JobSpec, trials) -> tuple[list[int], str]:
+    """Generate: the answers' lengths a job's rows will have (call_costs.answer_lengths), from the trials that
+    generated this job's corpus and prompt; else every row's to the cap (another corpus's answers say nothing
+    of this one's: output_tokens_per_row)."""
+    cap = spec.generation.max_tokens
+    trial_cap = min(cap, TRIAL_MAX_TOKENS)
+    own = [t for _, t in trials if t.output_lengths and t.corpus == output_identity(spec)]
+    if not own:
+        return [cap], f"every answer to the cap ({cap} tokens): no trial generated this corpus here"
+    answers = call_costs.answer_lengths([n for t in own for n in t.output_lengths], trial_cap, cap)
+    cut = f", those cut at its cap of {trial_cap} taken to {cap}" if cap > trial_cap else ""
+    return answers, f"answers of {statistics.fmean(answers):.0f} tokens a row (this corpus's trial{cut})"
+
+
+def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed: bool, tokens: float,
+               repeats: str) -> Part | None:
+    """Generate: the engine's seconds as the job's calls' seconds (tokenmill.call_costs), fit to the calls
+    measured here for this family on this engine: its trials' and its runs'. None where they are too few
+    (or n > 1), and the tokens/s curve answers."""
+    if spec.mode != "generate" or spec.generation.n > 1:
+        return None
+    measured = ([c for _, t in trials if t.engine == engine for c in t.calls]
+                + call_costs.read_calls(rates_key(spec, engine)))
+    coefficients = call_costs.fit(measured)
+    if coefficients is None:
+        return None
+    answers, answered = job_answers(spec, trials)
+    rows = sample.rows_to_compute(collapsed)
+    seconds, calls, steps = call_costs.job_seconds(
+        coefficients, lambda lengths: plan_feed(lengths, spec, engine), sample.lengths or [1], rows,
+        sample.shards, engine_pads(engine), answers)
+    return Part(name="engine", seconds=seconds, source=(
+        f"{calls:,} calls of {steps:.0f} steps on average, at {call_costs.describe_fit(coefficients)} ({engine}: "
+        f"fit to {len(measured)} calls measured here); {answered}; {tokens / seconds if seconds else 0:,.0f} "
+        f"tokens/s{repeats}"))
 
 
 # ---- the job -----------------------------------------------------------------------------------------
@@ -719,6 +761,7 @@ def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_r
     """Store this run's measured parts for the next prediction of any job on this engine here."""
     remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
                                   shards_read))
+    call_costs.remember_calls(rates_key(spec, engine), call_costs.take(spec, engine))
     marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
     if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
         _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"])]

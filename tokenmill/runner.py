@@ -22,6 +22,7 @@ from tokenmill.bucketing import (
     plan_batches,
     restore_order,
 )
+from tokenmill.call_costs import CallCost, call_cost, observe
 from tokenmill.encoding import EncodedRows, encode_rows
 from tokenmill.engine_protocol import Engine, run_engine, token_budget
 from tokenmill.memory import HeapGuard
@@ -119,7 +120,9 @@ def _prepare_rows(shard: ShardSpec, job: ResolvedJob, engine_name: str) -> RowsW
 def _run_rows(engine: Engine, work: RowsWork, job: ResolvedJob, shard_id: str) -> tuple[list, float, list[list[int]]]:
     """(results per engine call, seconds in the engine, the calls): how to feed depends on the engine."""
     batches = _feed(work.token_ids, job.spec, engine.name, engine)
-    results_by_batch, engine_seconds = run_batches(engine, batches, work.token_ids, job.spec, shard_id)
+    calls: list[CallCost] = []
+    results_by_batch, engine_seconds = run_batches(engine, batches, work.token_ids, job.spec, shard_id, calls)
+    observe(job.spec, engine.name, calls)  # for the next prediction's engine seconds (tokenmill.call_costs), stored with the run's parts
     return results_by_batch, engine_seconds, batches
 
 
@@ -197,11 +200,12 @@ def _feed(token_ids: list[list[int]], spec: JobSpec, engine_name: str, engine: E
 
 
 def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[int]], spec: JobSpec,
-                shard_id: str | None) -> tuple[list, float]:
+                shard_id: str | None, calls: list[CallCost] | None = None) -> tuple[list, float]:
     """Each batch through the engine, as cut (one engine call each; see plan_feed). Returns (results per
     batch, seconds in the engine). An engine with `streams` > 1 (transformers on CPU) gets that many calls
     at once, from as many threads; results keep the batches' order either way. shard_id None: no progress
-    events (an engine trial's sample is not the job's rows)."""
+    events (an engine trial's sample is not the job's rows). calls: where each generation call's shape and
+    seconds go (tokenmill.call_costs), when given."""
     streams = max(1, engine.streams)  # >1 only for transformers embedding on a CPU
     heap = HeapGuard()  # an in-process engine's freed activations, given back when they stop being reused
     results_by_batch: list = [None] * len(batches)
@@ -211,7 +215,11 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
             heap.before_call()
             batch_started = time.perf_counter()
             results_by_batch[index] = run_engine(engine, [token_ids[i] for i in batch], spec)
-            engine_seconds += time.perf_counter() - batch_started
+            seconds = time.perf_counter() - batch_started
+            engine_seconds += seconds
+            if calls is not None and spec.mode == "generate":
+                calls.append(call_cost(engine_pads(engine.name), [len(token_ids[i]) for i in batch],
+                                       results_by_batch[index], seconds))
             if shard_id is not None:
                 progress.emit("rows_done", shard_id=shard_id, rows=len(batch))
     else:

@@ -1,0 +1,200 @@
+"""What a generation's engine call costs, from the calls measured here: the engine seconds of a job to come.
+
+Generating, an engine call's seconds are not its tokens over one rate. A call runs its prompts once
+(prefill) and then one step a generated token for as many steps as its longest answer; each step costs
+a fixed part (the weights read once) and a part per row. Measured here on a 2-core CPU with SmolLM2 on
+transformers: a call of 1 row spent ~0.1 s a step, one of 11 rows ~0.19 s a step, so the same rows
+cost about half as much in calls of 11 as in calls of 1 or 2 (an engine trial's 12 rows make calls of
+1 to 2; a job's 48 make calls of up to 11), and a cap of 64 costs more than twice a cap of 32 once
+rows run to it. One tokens/s figure carried from the trial to the job missed by +47%, and from a cap of
+32 to a cap of 64 by -22% (bench/PREDICTION.md, 2026-11-25).
+
+So every generation call is stored with its shape, and a job's engine seconds are its calls' seconds:
+
+    seconds = a x input slots + b x steps + c x output slots + d
+
+input slots: rows x the longest prompt on an engine that pads its calls (transformers), the prompts'
+real tokens on one that does not (vLLM); steps: the call's longest answer; output slots: rows x steps
+on an engine that pads (a finished row keeps its place until the call ends), the answers' real tokens
+on one that does not. a..d >= 0 are fit by least squares to the calls of this job's family on this
+engine and device: the engine trial's (its calls, and one call of all its rows at once, so the fit
+sees calls of more than one width) and every run's since.
+
+A job's calls are planned as the runner plans them (runner.plan_feed), on a shard of its sample's
+lengths, and each call's steps are the expected longest of its rows' answers, drawn from the answers the
+trials generated (this corpus's where a trial generated it; an answer cut at the trial's cap taken to
+run to the job's cap).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from pydantic import BaseModel
+
+
+KEEP_CALLS = 400  # a family's last measured calls, per engine and device
+MIN_CALLS = 4  # a fit needs at least this many calls, of at least two widths
+MAX_SHARD_ROWS = 20_000  # a longer shard is planned at this many rows and scaled: its calls repeat
+
+
+class CallCost(BaseModel):
+    """One measured engine call: its shape (see the module docstring) and its seconds."""
+    rows: int
+    input_slots: float
+    steps: float
+    output_slots: float
+    seconds: float
+
+    def features(self) -> list[float]:
+        return [self.input_slots, self.steps, self.output_slots, 1.0]
+
+
+def call_cost(pads: bool, lengths: Sequence[int], outputs: Sequence[Any], seconds: float) -> CallCost:
+    """The shape of one generation call of rows of `lengths` tokens whose results are `outputs`."""
+    answers = [int(getattr(g, "output_tokens", 0) or 0) for g in outputs]
+    steps = max(answers, default=0)
+    rows = len(lengths)
+    return CallCost(rows=rows, input_slots=rows * max(lengths, default=0) if pads else sum(lengths), steps=steps,
+                    output_slots=rows * steps if pads else sum(answers), seconds=seconds)
+
+
+# ---- the run's calls, stored for the next prediction ----------------------------------------------------
+
+_lock = threading.Lock()
+_run_calls: dict[str, list[CallCost]] = {}
+
+
+def _runs_on(spec, engine: str) -> str:
+    """Which engine and model a call ran on (a gate's candidate is another model on the same engine)."""
+    return json.dumps([engine, spec.mode, spec.model.model_dump(mode="json", exclude={"engine"})], sort_keys=True)
+
+
+def observe(spec, engine: str, calls: Sequence[CallCost]) -> None:
+    """A shard's generation calls (runner): kept until the run of this model on this engine stores them (take)."""
+    if calls:
+        with _lock:
+            kept = _run_calls.setdefault(_runs_on(spec, engine), [])
+            kept.extend(calls)
+            del kept[:-KEEP_CALLS]  # a process that runs without predicting keeps no more than it would store
+
+
+def take(spec, engine: str) -> list[CallCost]:
+    with _lock:
+        return _run_calls.pop(_runs_on(spec, engine), [])
+
+
+def _path() -> Path:
+    from tokenmill.engine_choice import cache_dir  # engine_choice runs the trials, through the runner, through here
+
+    return cache_dir() / "engine-calls.json"
+
+
+def read_calls(key: str) -> list[CallCost]:
+    try:
+        stored = json.loads(_path().read_text()).get(key, [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [CallCost(**c) for c in stored if isinstance(c, dict)]
+
+
+def remember_calls(key: str, calls: Sequence[CallCost]) -> None:
+    """Appended to `key`'s last KEEP_CALLS calls (key: prediction.rates_key, the engine, device and family)."""
+    if not calls:
+        return
+    path = _path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    stored[key] = (stored.get(key, []) + [c.model_dump() for c in calls])[-KEEP_CALLS:]
+    temporary = path.with_name(f".engine-calls.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(stored))
+    temporary.replace(path)  # atomic: a concurrent reader sees old or new
+
+
+# ---- the fit ---------------------------------------------------------------------------------------------
+
+def fit(calls: Sequence[CallCost]) -> list[float] | None:
+    """a, b, c, d >= 0 (see the module docstring) by least squares over `calls`: the least-error solution
+    among every subset of the four terms whose unconstrained fit is non-negative (an exact non-negative
+    least squares for four terms). None with fewer than MIN_CALLS calls or all of one width, where the
+    per-step and per-row costs cannot be told apart."""
+    import numpy as np
+
+    if len(calls) < MIN_CALLS or len({c.rows for c in calls}) < 2:
+        return None
+    a = np.array([c.features() for c in calls])
+    y = np.array([c.seconds for c in calls])
+    best: tuple[float, list[float]] | None = None
+    for size in range(1, a.shape[1] + 1):
+        for columns in itertools.combinations(range(a.shape[1]), size):
+            coefficients, *_ = np.linalg.lstsq(a[:, columns], y, rcond=None)
+            if (coefficients < 0).any():
+                continue
+            full = np.zeros(a.shape[1])
+            full[list(columns)] = coefficients
+            error = float(((a @ full - y) ** 2).sum())
+            if best is None or error < best[0]:
+                best = (error, [float(v) for v in full])
+    return best[1] if best else None
+
+
+def describe_fit(coefficients: list[float]) -> str:
+    a, b, c, d = coefficients
+    return (f"{b * 1000:.1f} ms a step + {c * 1000:.2f} ms a row's step + {a * 1e6:.0f} us an input slot"
+            f" + {d * 1000:.0f} ms a call")
+
+
+# ---- a job's calls ---------------------------------------------------------------------------------------
+
+def answer_lengths(trial_lengths: Sequence[int], trial_cap: int, job_cap: int) -> list[int]:
+    """The answers a job's rows will have, from a trial's: those the trial cut at its cap run to the job's."""
+    return [job_cap if n >= trial_cap else min(n, job_cap) for n in trial_lengths]
+
+
+def expected_longest(answers: Sequence[int], rows: int) -> float:
+    """The expected longest answer of `rows` rows, each drawn from `answers` (with replacement)."""
+    ordered = sorted(answers)
+    m = len(ordered)
+    if not m:
+        return 0.0
+    return sum(v * (((i + 1) / m) ** rows - (i / m) ** rows) for i, v in enumerate(ordered))
+
+
+def shard_lengths(lengths: Sequence[int], rows: int) -> list[int]:
+    """A shard of `rows` rows with the sample's length distribution (its quantiles)."""
+    ordered = sorted(lengths) or [1]
+    return [ordered[min(int((i + 0.5) * len(ordered) / rows), len(ordered) - 1)] for i in range(rows)]
+
+
+def job_seconds(coefficients: list[float], plan, lengths: Sequence[int], rows: int, shards: int, pads: bool,
+                answers: Sequence[int]) -> tuple[float, int, float]:
+    """(engine seconds, calls, mean steps a call) of `rows` rows in `shards` shards, each planned by
+    `plan(shard lengths) -> list of calls (row indices)` as the runner plans them."""
+    if rows <= 0:
+        return 0.0, 0, 0.0
+    shards = max(shards, 1)
+    per_shard = max(1, math.ceil(rows / shards))
+    planned = min(per_shard, MAX_SHARD_ROWS)
+    shard = shard_lengths(lengths, planned)
+    mean_answer = sum(answers) / len(answers) if answers else 0.0
+    seconds = steps_total = 0.0
+    calls = plan(shard)
+    for call in calls:
+        call_lengths = [shard[i] for i in call]
+        steps = expected_longest(answers, len(call))
+        cost = CallCost(rows=len(call), input_slots=len(call) * max(call_lengths) if pads else sum(call_lengths),
+                        steps=steps, output_slots=len(call) * steps if pads else len(call) * mean_answer,
+                        seconds=0.0)
+        seconds += sum(k * f for k, f in zip(coefficients, cost.features()))
+        steps_total += steps
+    scale = rows / planned
+    return seconds * scale, round(len(calls) * scale), steps_total / len(calls) if calls else 0.0
