@@ -10,8 +10,10 @@
 - engine seconds: the rows still to compute (finished shards, the rows the row cache holds, and
   repeats of an identical input, which the run computes once, left out) at their lengths, from the
   job's own sample: each row's tokens / tokens_per_s(length), the rate read off the curve over length
-  that this job's trials and runs measured here (log-log between them, flat beyond). Generation counts
-  output tokens too: the job's max_tokens where the trial's outputs ran to their cap, else the trial's mean.
+  that this job's trials and runs measured here (log-log between them, flat beyond). Generation is not
+  tokens over one rate: its seconds are its calls' seconds (tokenmill.call_costs), each call planned as the
+  runner plans it, its steps the expected longest answer of its rows, at the costs fit to the generation
+  calls measured here (the trials' and the runs'); the rate curve only until two widths of calls were seen.
 - engine trials, when this run pays for them: measured here for this model and mode, else each engine
   the trial will start at its stated defaults (start, plus the trial's own rows at a default rate).
 - every other part is measured seconds, stored per engine and device (the engine's start per
@@ -55,8 +57,10 @@ from tokenmill.models import resolve_model
 from tokenmill.outputs import MANIFEST, OutputStore
 from tokenmill.planning import row_cache_share, rows_per_shard
 from tokenmill.prompts import prompt_columns, text_column_used
+from tokenmill.encoding import encode_rows
 from tokenmill.row_cache import bypass_reason, cache_uri
 from tokenmill.runner import engine_pads, plan_feed
+from tokenmill.sampling import corpus_sample
 from tokenmill.shards import discover_shards_for, read_shard
 from tokenmill.spec import JobSpec
 
@@ -81,6 +85,7 @@ OVERHEAD = "shard overhead per 1,000 rows"
 # 1,000 short rows in one shard, 1.6 s for 8,000 in two), so 0.24 s on the reference machine (2.0 s) that
 # machine_speed scales from. A stated figure: a run's own overhead is stored per 1,000 rows after it.
 PER_SHARD_SECONDS = 0.24
+CALL_SAMPLE_ROWS = 256  # generate: the rows whose lengths a job's calls are planned on (call_lengths)
 # Per engine (and mode where they differ): start (the library's import included), exit, and tokens/s, for an
 # engine never measured here. Quiet 2-core CPU (bench/PREDICTION.md's trials and runs): vLLM's start 23-37 s
 # embedding MiniLM (its first on a machine the longest), 81 s generating with SmolLM2 (its import
@@ -153,6 +158,7 @@ class JobSample(BaseModel):
     rows: int
     shards: int
     lengths: list[int]
+    call_lengths: list[int] = []  # generate: a larger sample's lengths, the job's calls planned on (call_lengths)
     row_cache_share: float = 0.0
     finished_shards: int = 0
     distinct: float = 1.0
@@ -326,7 +332,8 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
     row_share = sample.rows_to_compute(collapsed) / len(lengths)
     tokens = row_share * sum(n + out_per_row for n in lengths)
     repeats = f"; {sample.distinct_source}" if collapsed else ""
-    by_calls = calls_part(spec, engine, sample, trials, collapsed, tokens, repeats)
+    # parts None: the trials' rates alone, as auto weighs the engines (predicted_engine)
+    by_calls = calls_part(spec, engine, sample, trials, collapsed, tokens, repeats) if parts is not None else None
     if by_calls is not None:
         return by_calls, tokens
     if not points:
@@ -372,8 +379,8 @@ def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed:
     answers, answered = job_answers(spec, trials)
     rows = sample.rows_to_compute(collapsed)
     seconds, calls, steps = call_costs.job_seconds(
-        coefficients, lambda lengths: plan_feed(lengths, spec, engine), sample.lengths or [1], rows,
-        sample.shards, engine_pads(engine), answers)
+        coefficients, lambda lengths: plan_feed(lengths, spec, engine), sample.call_lengths or sample.lengths or [1],
+        rows, sample.shards, engine_pads(engine), answers)
     return Part(name="engine", seconds=seconds, source=(
         f"{calls:,} calls of {steps:.0f} steps on average, at {call_costs.describe_fit(coefficients)} ({engine}: "
         f"fit to {len(measured)} calls measured here); {answered}; {tokens / seconds if seconds else 0:,.0f} "
@@ -403,14 +410,26 @@ def job_sample(spec: JobSpec) -> JobSample:
     rows = rows_per_shard(spec, shards)
     todo = [(s, n) for s, n in zip(shards, rows) if s.shard_id not in done]
     lengths = [len(r) for r in trial_rows(spec, resolve_model(spec.model_name))]
+    calls_from = call_lengths(spec) if spec.mode == "generate" else []
     share = 0.0
     if todo and spec.cache.enabled and _row_cache_exists(spec):
         share, _ = row_cache_share(spec, [s for s, _ in todo], [n for _, n in todo], len(lengths))
     rows_read = sum(n for _, n in todo)
     distinct, counted = distinct_share(spec, [s for s, _ in todo])
-    return JobSample(rows=round(rows_read * (1.0 - share)), shards=len(todo), lengths=lengths,
+    return JobSample(rows=round(rows_read * (1.0 - share)), shards=len(todo), lengths=lengths, call_lengths=calls_from,
                      row_cache_share=share, finished_shards=len(done), distinct=distinct,
                      distinct_source=counted, rows_read=rows_read)
+
+
+def call_lengths(spec: JobSpec) -> list[int]:
+    """Generate: the token lengths of a larger sample than the trial's (CALL_SAMPLE_ROWS), that the job's calls
+    are planned on: a trial's 16 rows miss a corpus's long tail, and its longest rows make calls of their own
+    (a job of 96 rows ran 16 calls where the trial's sample planned 11)."""
+    model_path = resolve_model(spec.model_name)
+    texts, _ = corpus_sample(spec, CALL_SAMPLE_ROWS)
+    encoded = encode_rows(texts, spec, model_path)
+    overlong = {j for j, _ in encoded.overlong}
+    return [len(r) for i, r in enumerate(encoded.token_ids) if i not in overlong]
 
 
 def distinct_share(spec: JobSpec, shards) -> tuple[float, str]:
