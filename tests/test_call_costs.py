@@ -62,8 +62,7 @@ def test_a_job_of_more_rows_costs_less_a_row_where_its_calls_are_wider():
     assert unpadded == pytest.approx(SLOT * 4 * sum(lengths) + STEP * 10 + ROW_STEP * 48 * 10, rel=0.05)
 
 
-def test_a_runs_calls_are_kept_by_model_and_engine_and_stored_for_the_next_prediction(tmp_path, monkeypatch):
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+def test_a_runs_calls_are_kept_by_model_and_engine_and_stored_for_the_next_prediction(tmp_path):
     job = JobSpec.model_validate({"input": "x", "mode": "generate", "model": {"name": "SmolLM2-135M-Instruct"}})
     candidate = job.model_copy(update={"model": job.model.model_copy(update={"quantization": "int8"})})
     call_costs.observe(job, "transformers", [measured(1, 40, 8)])
@@ -71,8 +70,8 @@ def test_a_runs_calls_are_kept_by_model_and_engine_and_stored_for_the_next_predi
     assert [c.rows for c in call_costs.take(job, "transformers")] == [1]
     assert call_costs.take(job, "transformers") == []
     assert [c.rows for c in call_costs.take(candidate, "transformers")] == [2]
-    call_costs.remember_calls("k", [measured(1, 40, 8)] * 3)
-    call_costs.remember_calls("k", [measured(3, 40, 8)] * (call_costs.KEEP_CALLS - 1))
-    kept = call_costs.read_calls("k")
+    call_costs.remember_calls(tmp_path, "k", [measured(1, 40, 8)] * 3)
+    call_costs.remember_calls(tmp_path, "k", [measured(3, 40, 8)] * (call_costs.KEEP_CALLS - 1))
+    kept = call_costs.read_calls(tmp_path, "k")
     assert len(kept) == call_costs.KEEP_CALLS and kept[0].rows == 1 and kept[-1].rows == 3
-    assert call_costs.read_calls("other") == []
+    assert call_costs.read_calls(tmp_path, "other") == []

@@ -36,6 +36,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 from pydantic import BaseModel
 
 
@@ -91,25 +92,24 @@ def take(spec, engine: str) -> list[CallCost]:
         return _run_calls.pop(_runs_on(spec, engine), [])
 
 
-def _path() -> Path:
-    from tokenmill.engine_choice import cache_dir  # engine_choice runs the trials, through the runner, through here
-
-    return cache_dir() / "engine-calls.json"
+def _path(cache: Path) -> Path:
+    return cache / "engine-calls.json"
 
 
-def read_calls(key: str) -> list[CallCost]:
+def read_calls(cache: Path, key: str) -> list[CallCost]:
+    """`key`'s stored calls in the cache directory `cache` (engine_choice.cache_dir)."""
     try:
-        stored = json.loads(_path().read_text()).get(key, [])
+        stored = json.loads(_path(cache).read_text()).get(key, [])
     except (OSError, ValueError, AttributeError):
         return []
     return [CallCost(**c) for c in stored if isinstance(c, dict)]
 
 
-def remember_calls(key: str, calls: Sequence[CallCost]) -> None:
+def remember_calls(cache: Path, key: str, calls: Sequence[CallCost]) -> None:
     """Appended to `key`'s last KEEP_CALLS calls (key: prediction.rates_key, the engine, device and family)."""
     if not calls:
         return
-    path = _path()
+    path = _path(cache)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         stored = json.loads(path.read_text())
@@ -130,8 +130,6 @@ def fit(calls: Sequence[CallCost]) -> list[float] | None:
     or so calls fit all four terms to their noise (a 0.7 s cost a call, 2.8 ms an input token, where a
     job's calls then ran 16% slower than predicted) and the held-out call says so. None with fewer than
     MIN_CALLS calls or all of one width, where the per-step and per-row costs cannot be told apart."""
-    import numpy as np
-
     if len(calls) < MIN_CALLS or len({c.rows for c in calls}) < 2:
         return None
     a = np.array([c.features() for c in calls])

@@ -372,7 +372,7 @@ def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed:
     if spec.mode != "generate" or spec.generation.n > 1:
         return None
     measured = ([c for _, t in trials if t.engine == engine for c in t.calls]
-                + call_costs.read_calls(rates_key(spec, engine)))
+                + call_costs.read_calls(cache_dir(), rates_key(spec, engine)))
     coefficients = call_costs.fit(measured)
     if coefficients is None:
         return None
@@ -780,7 +780,7 @@ def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_r
     """Store this run's measured parts for the next prediction of any job on this engine here."""
     remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
                                   shards_read))
-    call_costs.remember_calls(rates_key(spec, engine), call_costs.take(spec, engine))
+    call_costs.remember_calls(cache_dir(), rates_key(spec, engine), call_costs.take(spec, engine))
     marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
     if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
         _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"])]
