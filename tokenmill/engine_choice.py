@@ -506,7 +506,7 @@ def _other_width(instance, rows: list[list[int]], calls: list[list[int]], job: J
     row at once, each cut to the shortest row's last tokens (little padding, its template's end kept); one
     that does not, the shortest row alone. Not counted in the trial's tokens/s."""
     widths = {len(call) for call in calls}
-    shortest = min(len(r) for r in rows)
+    shortest = max(1, min(len(r) for r in rows))  # r[-0:] would be the whole row
     if engine_pads(instance.name):
         other = [r[-shortest:] for r in rows]
     else:
