@@ -7,7 +7,7 @@ import time
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from tokenmill import prediction, progress, timeline
+from tokenmill import call_costs, prediction, progress, timeline
 from tokenmill.engines import engine_scope
 from tokenmill.flows.fleet import dispatch_to_pool
 from tokenmill.flows.gate import GateFailed, gate_flow
@@ -35,6 +35,7 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
     """Embed or generate over a corpus of Parquet or JSONL files, shard by shard."""
     with engine_scope():  # engines this flow starts end with it
         timeline.begin_job()
+        call_costs.forget()  # calls an earlier job of this process left unstored are not this job's
         timeline.mark("flow_started")
         logger = get_run_logger()
         started = time.perf_counter()

@@ -47,19 +47,25 @@ def test_a_job_of_more_rows_costs_less_a_row_where_its_calls_are_wider():
         return plan_feed(shard, spec, "transformers")
 
     answers = [32] * 12
-    small, small_calls, _ = job_seconds(coefficients, plan, lengths, 12, 1, True, answers)
-    large, large_calls, steps = job_seconds(coefficients, plan, lengths, 48, 1, True, answers)
+    small, small_calls, _ = job_seconds(coefficients, plan, lengths, 12, 1, True, answers, 256)
+    large, large_calls, steps = job_seconds(coefficients, plan, lengths, 48, 1, True, answers, 256)
     assert steps == pytest.approx(32.0)
     assert large_calls < 4 * small_calls  # rows of near lengths share calls
     assert large / 48 < 0.8 * small / 12
     # two shards of 48 rows are two of the same
-    two, calls, _ = job_seconds(coefficients, plan, lengths, 96, 2, True, answers)
+    two, calls, _ = job_seconds(coefficients, plan, lengths, 96, 2, True, answers, 256)
     assert two == pytest.approx(2 * large) and calls == 2 * large_calls
     # an engine that does not pad: one call of the shard's rows, their real tokens
     unpadded, calls, _ = job_seconds(coefficients, lambda shard: plan_feed(shard, spec, "vllm"), lengths, 48, 1,
-                                     False, [10] * 12)
+                                     False, [10] * 12, 256)
     assert calls == 1
     assert unpadded == pytest.approx(SLOT * 4 * sum(lengths) + STEP * 10 + ROW_STEP * 48 * 10, rel=0.05)
+    # ... which runs at most max_num_seqs rows at once: 48 rows of 10-token answers, 8 at a time, take 60 steps
+    waves, _, steps = job_seconds(coefficients, lambda shard: plan_feed(shard, spec, "vllm"), lengths, 48, 1,
+                                  False, [10] * 12, 8)
+    assert steps == pytest.approx(60.0) and waves > unpadded
+    assert call_costs.call_steps(10, 480, pads=False, concurrency=8) == 60
+    assert call_costs.call_steps(10, 480, pads=True, concurrency=8) == 10
 
 
 def test_a_runs_calls_are_kept_by_model_and_engine_and_stored_for_the_next_prediction(tmp_path):
@@ -70,6 +76,9 @@ def test_a_runs_calls_are_kept_by_model_and_engine_and_stored_for_the_next_predi
     assert [c.rows for c in call_costs.take(job, "transformers")] == [1]
     assert call_costs.take(job, "transformers") == []
     assert [c.rows for c in call_costs.take(candidate, "transformers")] == [2]
+    call_costs.observe(job, "transformers", [measured(1, 40, 8)])  # a job that never stored its calls
+    call_costs.forget()  # the next job starts
+    assert call_costs.take(job, "transformers") == []
     call_costs.remember_calls(tmp_path, "k", [measured(1, 40, 8)] * 3)
     call_costs.remember_calls(tmp_path, "k", [measured(3, 40, 8)] * (call_costs.KEEP_CALLS - 1))
     kept = call_costs.read_calls(tmp_path, "k")

@@ -58,10 +58,17 @@ class CallCost(BaseModel):
         return [self.input_slots, self.steps, self.output_slots, 1.0]
 
 
-def call_cost(pads: bool, lengths: Sequence[int], outputs: Sequence[Any], seconds: float) -> CallCost:
+def call_steps(longest: float, answers_total: float, pads: bool, concurrency: int) -> float:
+    """A call's decode steps: its longest answer; on an engine that does not pad (vLLM) and runs at most
+    `concurrency` rows at once (max_num_seqs: batching.max_batch_size), at least its answers' tokens over that."""
+    return longest if pads else max(longest, math.ceil(answers_total / max(concurrency, 1)))
+
+
+def call_cost(pads: bool, lengths: Sequence[int], outputs: Sequence[Any], seconds: float,
+              concurrency: int) -> CallCost:
     """The shape of one generation call of rows of `lengths` tokens whose results are `outputs`."""
     answers = [int(getattr(g, "output_tokens", 0) or 0) for g in outputs]
-    steps = max(answers, default=0)
+    steps = call_steps(max(answers, default=0), sum(answers), pads, concurrency)
     rows = len(lengths)
     return CallCost(rows=rows, input_slots=rows * max(lengths, default=0) if pads else sum(lengths), steps=steps,
                     output_slots=rows * steps if pads else sum(answers), seconds=seconds)
@@ -92,6 +99,13 @@ def take(spec, engine: str) -> list[CallCost]:
         return _run_calls.pop(_runs_on(spec, engine), [])
 
 
+def forget() -> None:
+    """A job starts (flows/batch.py, beside timeline.begin_job): calls an earlier job of this process left
+    unstored (a job that made no prediction, a failed one) are not this job's."""
+    with _lock:
+        _run_calls.clear()
+
+
 def _path(cache: Path) -> Path:
     return cache / "engine-calls.json"
 
@@ -116,7 +130,7 @@ def remember_calls(cache: Path, key: str, calls: Sequence[CallCost]) -> None:
     except (OSError, ValueError):
         stored = {}
     stored[key] = (stored.get(key, []) + [c.model_dump() for c in calls])[-KEEP_CALLS:]
-    temporary = path.with_name(f".engine-calls.{os.getpid()}.tmp")
+    temporary = path.with_name(f".engine-calls.{os.getpid()}.{threading.get_ident()}.tmp")
     temporary.write_text(json.dumps(stored))
     temporary.replace(path)  # atomic: a concurrent reader sees old or new
 
@@ -192,7 +206,7 @@ def shard_lengths(lengths: Sequence[int], rows: int) -> list[int]:
 
 
 def job_seconds(coefficients: list[float], plan, lengths: Sequence[int], rows: int, shards: int, pads: bool,
-                answers: Sequence[int]) -> tuple[float, int, float]:
+                answers: Sequence[int], concurrency: int) -> tuple[float, int, float]:
     """(engine seconds, calls, mean steps a call) of `rows` rows in `shards` shards, each planned by
     `plan(shard lengths) -> list of calls (row indices)` as the runner plans them."""
     if rows <= 0:
@@ -206,7 +220,7 @@ def job_seconds(coefficients: list[float], plan, lengths: Sequence[int], rows: i
     calls = plan(shard)
     for call in calls:
         call_lengths = [shard[i] for i in call]
-        steps = expected_longest(answers, len(call))
+        steps = call_steps(expected_longest(answers, len(call)), len(call) * mean_answer, pads, concurrency)
         cost = CallCost(rows=len(call), input_slots=len(call) * max(call_lengths) if pads else sum(call_lengths),
                         steps=steps, output_slots=len(call) * steps if pads else len(call) * mean_answer,
                         seconds=0.0)

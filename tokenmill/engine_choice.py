@@ -486,8 +486,9 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         if len(candidates) > 1:
             instance.set_streams(streams)
         tokens += produced
-        answers = [g.output_tokens for call in outputs for g in call] if spec.mode == "generate" else []
-        if spec.mode == "generate":
+        generating = spec.mode == "generate" and spec.generation.n == 1  # n > 1: output_tokens sums n answers
+        answers = [g.output_tokens for call in outputs for g in call] if generating else []
+        if generating:
             shapes += _other_width(instance, rows, calls, job)
     except Exception as exc:  # noqa: BLE001 - an engine that cannot run here loses, with its reason
         log.warning("engine auto: %s failed its trial: %s", engine, exc)
@@ -507,9 +508,8 @@ def _other_width(instance, rows: list[list[int]], calls: list[list[int]], job: J
     that does not, the shortest row alone. Not counted in the trial's tokens/s."""
     widths = {len(call) for call in calls}
     shortest = max(1, min(len(r) for r in rows))  # r[-0:] would be the whole row
-    if engine_pads(instance.name):
-        other = [r[-shortest:] for r in rows]
-    else:
+    other = [r[-shortest:] for r in rows] if engine_pads(instance.name) else [min(rows, key=len)]
+    if len(other) in widths:  # rows of near lengths made one call of them all: the shortest row alone
         other = [min(rows, key=len)]
     if len(other) in widths:
         return []

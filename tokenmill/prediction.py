@@ -380,7 +380,7 @@ def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed:
     rows = sample.rows_to_compute(collapsed)
     seconds, calls, steps = call_costs.job_seconds(
         coefficients, lambda lengths: plan_feed(lengths, spec, engine), sample.call_lengths or sample.lengths or [1],
-        rows, sample.shards, engine_pads(engine), answers)
+        rows, sample.shards, engine_pads(engine), answers, spec.batching.max_batch_size)
     return Part(name="engine", seconds=seconds, source=(
         f"{calls:,} calls of {steps:.0f} steps on average, at {call_costs.describe_fit(coefficients)} ({engine}: "
         f"fit to {len(measured)} calls measured here); {answered}; {tokens / seconds if seconds else 0:,.0f} "

@@ -217,9 +217,9 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
             results_by_batch[index] = run_engine(engine, [token_ids[i] for i in batch], spec)
             seconds = time.perf_counter() - batch_started
             engine_seconds += seconds
-            if calls is not None and spec.mode == "generate":
+            if calls is not None and spec.mode == "generate" and spec.generation.n == 1:  # n > 1: calls_part
                 calls.append(call_cost(engine_pads(engine.name), [len(token_ids[i]) for i in batch],
-                                       results_by_batch[index], seconds))
+                                       results_by_batch[index], seconds, spec.batching.max_batch_size))
             if shard_id is not None:
                 progress.emit("rows_done", shard_id=shard_id, rows=len(batch))
     else:
