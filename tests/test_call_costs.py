@@ -64,8 +64,8 @@ def test_a_job_of_more_rows_costs_less_a_row_where_its_calls_are_wider():
     waves, _, steps = job_seconds(coefficients, lambda shard: plan_feed(shard, spec, "vllm"), lengths, 48, 1,
                                   False, [10] * 12, 8)
     assert steps == pytest.approx(60.0) and waves > unpadded
-    assert call_costs.call_steps(10, 480, pads=False, concurrency=8) == 60
-    assert call_costs.call_steps(10, 480, pads=True, concurrency=8) == 10
+    assert call_costs.call_shape(False, [40] * 48, 10, 480, concurrency=8).steps == 60
+    assert call_costs.call_shape(True, [40] * 48, 10, 480, concurrency=8).steps == 10
 
 
 def test_a_runs_calls_are_kept_by_model_and_engine_and_stored_for_the_next_prediction(tmp_path):

@@ -58,20 +58,24 @@ class CallCost(BaseModel):
         return [self.input_slots, self.steps, self.output_slots, 1.0]
 
 
-def call_steps(longest: float, answers_total: float, pads: bool, concurrency: int) -> float:
-    """A call's decode steps: its longest answer; on an engine that does not pad (vLLM) and runs at most
-    `concurrency` rows at once (max_num_seqs: batching.max_batch_size), at least its answers' tokens over that."""
-    return longest if pads else max(longest, math.ceil(answers_total / max(concurrency, 1)))
+def call_shape(pads: bool, lengths: Sequence[int], longest_answer: float, answers_total: float, concurrency: int,
+               seconds: float = 0.0) -> CallCost:
+    """One generation call of rows of `lengths` tokens whose answers' longest and total are given. Its steps:
+    its longest answer; on an engine that does not pad (vLLM) and runs at most `concurrency` rows at once
+    (max_num_seqs: batching.max_batch_size), at least its answers' tokens over that."""
+    rows = len(lengths)
+    if pads:
+        return CallCost(rows=rows, input_slots=rows * max(lengths, default=0), steps=longest_answer,
+                        output_slots=rows * longest_answer, seconds=seconds)
+    steps = max(longest_answer, math.ceil(answers_total / max(concurrency, 1)))
+    return CallCost(rows=rows, input_slots=sum(lengths), steps=steps, output_slots=answers_total, seconds=seconds)
 
 
 def call_cost(pads: bool, lengths: Sequence[int], outputs: Sequence[Any], seconds: float,
               concurrency: int) -> CallCost:
-    """The shape of one generation call of rows of `lengths` tokens whose results are `outputs`."""
+    """The measured shape of one generation call whose results are `outputs`."""
     answers = [int(getattr(g, "output_tokens", 0) or 0) for g in outputs]
-    steps = call_steps(max(answers, default=0), sum(answers), pads, concurrency)
-    rows = len(lengths)
-    return CallCost(rows=rows, input_slots=rows * max(lengths, default=0) if pads else sum(lengths), steps=steps,
-                    output_slots=rows * steps if pads else sum(answers), seconds=seconds)
+    return call_shape(pads, lengths, max(answers, default=0), sum(answers), concurrency, seconds)
 
 
 # ---- the run's calls, stored for the next prediction ----------------------------------------------------
@@ -219,12 +223,9 @@ def job_seconds(coefficients: list[float], plan, lengths: Sequence[int], rows: i
     seconds = steps_total = 0.0
     calls = plan(shard)
     for call in calls:
-        call_lengths = [shard[i] for i in call]
-        steps = call_steps(expected_longest(answers, len(call)), len(call) * mean_answer, pads, concurrency)
-        cost = CallCost(rows=len(call), input_slots=len(call) * max(call_lengths) if pads else sum(call_lengths),
-                        steps=steps, output_slots=len(call) * steps if pads else len(call) * mean_answer,
-                        seconds=0.0)
+        cost = call_shape(pads, [shard[i] for i in call], expected_longest(answers, len(call)),
+                          len(call) * mean_answer, concurrency)
         seconds += sum(k * f for k, f in zip(coefficients, cost.features()))
-        steps_total += steps
+        steps_total += cost.steps
     scale = rows / planned
     return seconds * scale, round(len(calls) * scale), steps_total / len(calls) if calls else 0.0

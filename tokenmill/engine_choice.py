@@ -411,9 +411,10 @@ def trials_cached(spec: JobSpec) -> bool:
     return bool(judge_from_other_lengths(cache, trial_family(spec, model_path, device), mean_tokens, able))
 
 
-def trial_rows(spec: JobSpec, model_path: str) -> list[list[int]]:
-    """The job's sample as token ids, as the runner would encode it (overlong rows left out)."""
-    texts, _ = corpus_sample(spec, TRIAL_ROWS[spec.mode])
+def trial_rows(spec: JobSpec, model_path: str, rows: int | None = None) -> list[list[int]]:
+    """The job's sample (the trial's, TRIAL_ROWS, unless `rows` says how many) as token ids, as the runner
+    would encode it (overlong rows left out)."""
+    texts, _ = corpus_sample(spec, rows or TRIAL_ROWS[spec.mode])
     encoded = encode_rows(texts, spec, model_path)
     overlong = {j for j, _ in encoded.overlong}
     return [r for i, r in enumerate(encoded.token_ids) if i not in overlong]

@@ -57,10 +57,8 @@ from tokenmill.models import resolve_model
 from tokenmill.outputs import MANIFEST, OutputStore
 from tokenmill.planning import row_cache_share, rows_per_shard
 from tokenmill.prompts import prompt_columns, text_column_used
-from tokenmill.encoding import encode_rows
 from tokenmill.row_cache import bypass_reason, cache_uri
 from tokenmill.runner import engine_pads, plan_feed
-from tokenmill.sampling import corpus_sample
 from tokenmill.shards import discover_shards_for, read_shard
 from tokenmill.spec import JobSpec
 
@@ -425,11 +423,7 @@ def call_lengths(spec: JobSpec) -> list[int]:
     """Generate: the token lengths of a larger sample than the trial's (CALL_SAMPLE_ROWS), that the job's calls
     are planned on: a trial's 16 rows miss a corpus's long tail, and its longest rows make calls of their own
     (a job of 96 rows ran 16 calls where the trial's sample planned 11)."""
-    model_path = resolve_model(spec.model_name)
-    texts, _ = corpus_sample(spec, CALL_SAMPLE_ROWS)
-    encoded = encode_rows(texts, spec, model_path)
-    overlong = {j for j, _ in encoded.overlong}
-    return [len(r) for i, r in enumerate(encoded.token_ids) if i not in overlong]
+    return [len(r) for r in trial_rows(spec, resolve_model(spec.model_name), CALL_SAMPLE_ROWS)]
 
 
 def distinct_share(spec: JobSpec, shards) -> tuple[float, str]:
