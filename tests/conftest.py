@@ -104,3 +104,23 @@ def s3_server(monkeypatch):
         monkeypatch.setenv(name, value)
     yield f"http://{host}:{port}"
     server.stop()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the ephemeral Prefect servers the tests started while pytest still captures output.
+
+    Prefect stops them at interpreter exit otherwise, and its log line ("Stopping temporary server")
+    then goes to a stream pytest has closed: a `--- Logging error ---` traceback after every run's summary.
+    Prefect's event and log workers are drained first, as at its own exit, so nothing they hold is lost.
+    """
+    import sys
+
+    server_module = sys.modules.get("prefect.server.api.server")
+    if server_module is None:
+        return
+    # first what Prefect's workers still hold for the servers (events, logs), then the servers
+    from prefect._internal.concurrency.services import QueueService
+
+    QueueService.drain_all(timeout=30)
+    for server in list(server_module.SubprocessASGIServer._instances.values()):
+        server.stop()
