@@ -13,9 +13,11 @@ orchestration and per-row overhead, and the trials' tokens/s over length (a new 
 or is judged from, trials of its own).
 
 Sizes are 500 to 8,000 rows, not the issue's 20,000: the machine is a shared 2-core CPU and the
-whole bench is kept under ~25 minutes. The last two jobs are held out: a corpus of another kind
+whole bench is kept under ~25 minutes. Two jobs are held out: a corpus of another kind
 (the installed packages' README paragraphs, as JSONL) at a size, and for generation a cap
-(max_tokens 64 against the trial's 32), that no job before them measured.
+(max_tokens 64 against the trial's 32), that no job before them measured. The last three run
+`make run`'s eval gate (jobs/demo.yaml: OpenVINO, no engine any job before them ran): predicted with
+the gate, then the corpus on the model the gate will pick (a verdict kept here, else the reference).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def jobs(quick: bool) -> list[Job]:
     n = (lambda rows: max(8, rows // 50)) if quick else (lambda rows: rows)
     embed, generate = {"mode": "embed"}, {"mode": "generate", "generation": {
         "max_tokens": 32, "messages": SUMMARY_MESSAGES}, "model": {"name": "SmolLM2-135M-Instruct"}}
+    gated = {"mode": "embed", "gate": yaml.safe_load((ROOT / "jobs" / "demo.yaml").read_text())["gate"]}
     return [
         Job("embed short 1,000 (first on the machine)", f"short-{n(1000)}", embed, "empty cache: defaults, trials"),
         Job("embed short 1,000 (warm)", f"short-{n(1000)}", embed),
@@ -75,6 +78,11 @@ def jobs(quick: bool) -> list[Job]:
         Job("held out: embed 2,000 package READMEs (JSONL)", f"readme-{n(2000)}", embed, "held out"),
         Job("held out: generate 96 README paragraphs, max_tokens 64", f"readmegen-{n(96) if quick else 96}",
             {**generate, "generation": {**generate["generation"], "max_tokens": 64}}, "held out; a cap no trial ran"),
+        # `make run`'s eval gate (jobs/demo.yaml: OpenVINO float32 reference, two int8 candidates), on corpora
+        # of its own: a first gate here, the same job with its verdict kept, then a second corpus's gate
+        Job("gated: embed mixed 2,000, make run's gate (first gate here)", f"mixed-{n(2000)}", gated),
+        Job("gated: embed mixed 2,000 again (verdict kept)", f"mixed-{n(2000)}", gated),
+        Job("gated: embed long 1,000, a second corpus's gate", f"long-{n(1000)}", gated),
     ]
 
 

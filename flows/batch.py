@@ -40,13 +40,16 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
         logger = get_run_logger()
         started = time.perf_counter()
         run_id = open_run_task(spec)  # RUNNING from now on, so the MLflow UI shows the live job
-        if prediction.made_for(spec) is None and spec.gate is None and spec.dispatch == "local":
+        if prediction.made_for(spec) is None and spec.dispatch == "local":
             # called as a library, not by `tokenmill run`: predicted here, once the run is open (bad input
             # found by the prediction's corpus sample then ends the run FAILED with its reason)
             predict_task(spec)
         gate_report = None
         if spec.gate is not None:
+            timeline.mark("gate_start")  # tokenmill.prediction: the gate's seconds, apart from the flow's start
             gate_report = gate_flow(spec, record=False)
+            timeline.mark("gate_verdict_kept" if gate_report.cached else "gate_measured")
+            timeline.forget("engine_start", "engine_ready")  # the gate's engines'; the corpus's marks its own
             if gate_report.action == "fail":
                 log_gate_run(spec, gate_report)
                 raise GateFailed(gate_report.message())

@@ -283,3 +283,72 @@ def test_output_length_is_read_only_from_trials_of_the_same_corpus_and_prompt():
     assert output_tokens_per_row(a_asked_otherwise, [trial]) == pytest.approx(0.9 * 64)
     assert output_identity(a) == output_identity(a.model_copy(update={"generation": a.generation.model_copy(
         update={"max_tokens": 16})}))  # the cap is not part of it: the trial runs at its own
+
+
+def _gated_job(tmp_path, rows: int = 40):
+    from tokenmill.tasks.job import PrefectJob
+
+    (tmp_path / "in").mkdir()
+    write_parquet(tmp_path / "in" / "docs.parquet", [f"d{i}" for i in range(rows)],
+                  [f"{TEXTS[i % len(TEXTS)]} ({i})" for i in range(rows)])
+    return PrefectJob.model_validate({
+        "input": str(tmp_path / "in"), "output": str(tmp_path / "out"), "mode": "embed",
+        "gate": {"reference": {"name": "all-MiniLM-L6-v2", "engine": "transformers"},
+                 "candidates": [{"name": "all-MiniLM-L6-v2", "engine": "onnxruntime", "quantization": "int8"}],
+                 "sample_rows": 16}})
+
+
+def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pick(tmp_path, monkeypatch):
+    """With an eval gate: before this machine judged the job's sample, its gate at each model's defaults and
+    the corpus on the reference; once a verdict is kept, a gate that starts no engine and the corpus on the
+    verdict's model at the rate its gate sample measured. One prediction per job, whichever model then ran."""
+    from tokenmill import gate, prediction
+    from tokenmill.gate import CandidateVerdict, GateReport, ModelCost, chosen_model
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    spec = _gated_job(tmp_path)
+    first = prediction.predict_job(spec)
+    assert first.engine == "transformers"  # the reference: no verdict yet
+    part = first.part("eval gate")
+    assert part.is_default and "2 models each at its engine's default start and rate" in part.source
+    assert "the corpus on all-MiniLM-L6-v2 (transformers), the reference" in part.source
+    assert "+ engine start 0.0 s" in first.part("orchestration start").source  # no engine starts beside the API
+
+    texts, source = gate.sample_texts(spec)
+    tokens = 16 * 12
+    verdict = GateReport.judge(
+        spec, source, 16, ModelCost(model="ref", engine="transformers", seconds=1.0, tokens=tokens, tokens_per_s=1000.0,
+                                    usd_per_1m_tokens=0.02),
+        [CandidateVerdict(cost=ModelCost(model="int8", engine="onnxruntime", seconds=0.1, tokens=tokens,
+                                         tokens_per_s=4000.0, usd_per_1m_tokens=0.005), metrics=[], passed=True)])
+    gate._write_verdict(gate.verdict_key(spec, texts), verdict)
+    kept = prediction.predict_job(spec)
+    assert kept.engine == "onnxruntime"
+    assert "verdict on this sample kept (candidate)" in kept.part("eval gate").source
+    assert "(its gate's sample)" in kept.part("engine").source
+    # the run is held to this prediction: the flow asks for it with the model the gate picked
+    ran = spec.model_copy(update={"model": chosen_model(spec, gate.known_verdict(spec))})
+    assert prediction.made_for(ran) is kept
+
+
+def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(tmp_path, monkeypatch):
+    """flows/batch.py marks the gate's span: the run stores the gate's seconds under the gate's key (apart for
+    a verdict kept), and the flow's start without them."""
+    from tokenmill import prediction, timeline
+
+    spec = _gated_job(tmp_path)
+    t0 = 1000.0
+    marks = {"process": t0, "cli_ready": t0 + 3, "tracking_warm": t0 + 6, "flow_called": t0 + 7,
+             "gate_start": t0 + 8, "gate_measured": t0 + 28, "first_shard_started": t0 + 29,
+             "first_engine_call": t0 + 30, "shards_done": t0 + 40, "record_started": t0 + 41}
+    monkeypatch.setattr(timeline, "marks", lambda: dict(marks))
+    monkeypatch.setattr(timeline, "process_started", lambda: t0)
+    monkeypatch.setattr(timeline, "measures_process", lambda: True)
+    ran = spec.model_copy(update={"model": spec.gate.reference})
+    parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False)
+    assert parts[prediction.fixed_key(ran, "transformers")]["flow start"] == pytest.approx(30 - 7 - 1 - 20)
+    assert parts[prediction.gate_key(ran)] == {"gate": pytest.approx(20.0)}
+    marks.pop("gate_measured")
+    marks["gate_verdict_kept"] = t0 + 8.5
+    parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False)
+    assert parts[prediction.gate_key(ran)] == {"gate, verdict kept": pytest.approx(0.5)}

@@ -208,7 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from tokenmill.flows.batch import batch_flow
 
-    if spec.gate is None and getattr(spec, "dispatch", "local") == "local":  # a gate may change the model
+    if getattr(spec, "dispatch", "local") == "local":  # a fleet's workers choose their engines on their GPUs
         from tokenmill.prediction import predict_job
 
         print(predict_job(spec).describe(), flush=True)  # before any work: the record holds it to the run

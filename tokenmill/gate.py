@@ -317,16 +317,31 @@ def evaluate(spec: JobSpec, texts: list[str], source: str, refresh: bool = False
     no engine starts). refresh: measure again."""
     key = verdict_key(spec, texts)
     if not refresh:
-        known = _read_verdicts().get(key)
+        known = _known(spec, key)
         if known is not None:
-            report = GateReport.model_validate(known["report"])  # judged again: on_fail or min_saving may differ
-            rungs = report.candidates or [  # a verdict kept before ladders: its one candidate
-                CandidateVerdict(cost=report.candidate, metrics=report.metrics, passed=report.passed)]
-            return GateReport.judge(spec, report.sample_source, report.sample_rows, report.reference,
-                                    rungs).model_copy(update={"cached": True})
+            return known
     report = measure(spec, texts, source)
     _write_verdict(key, report)
     return report
+
+
+def known_verdict(spec: JobSpec) -> GateReport | None:
+    """The verdict evaluate() would return without measuring, or None where it would measure: this machine's
+    earlier verdict on this job's sample (read from the corpus), models and thresholds. No engine starts
+    (tokenmill.prediction: which model a gated job's corpus will run on, and whether its gate measures)."""
+    texts, _ = sample_texts(spec)
+    return _known(spec, verdict_key(spec, texts))
+
+
+def _known(spec: JobSpec, key: str) -> GateReport | None:
+    known = _read_verdicts().get(key)
+    if known is None:
+        return None
+    report = GateReport.model_validate(known["report"])  # judged again: on_fail or min_saving may differ
+    rungs = report.candidates or [  # a verdict kept before ladders: its one candidate
+        CandidateVerdict(cost=report.candidate, metrics=report.metrics, passed=report.passed)]
+    return GateReport.judge(spec, report.sample_source, report.sample_rows, report.reference,
+                            rungs).model_copy(update={"cached": True})
 
 
 def verdict_key(spec: JobSpec, texts: list[str]) -> str:
@@ -559,6 +574,6 @@ def _gate(spec: JobSpec) -> GateSpec:
     return spec.gate
 
 
-__all__ = ["GateReport", "CandidateVerdict", "evaluate", "sample_texts", "embedding_agreement",
+__all__ = ["GateReport", "CandidateVerdict", "evaluate", "known_verdict", "sample_texts", "embedding_agreement",
            "generation_agreement", "thresholds_for", "candidate_model", "candidate_models", "chosen_model", "job_for",
            "DEFAULT_THRESHOLDS"]

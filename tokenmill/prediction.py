@@ -1,7 +1,7 @@
 """How long a job takes as a whole process on this machine, from measured parts; afterwards, checked.
 
-    wall = python imports + orchestration start + engine trials (when they will run) + engine start
-           + engine seconds + shard overhead + index build + finish + exit
+    wall = python imports + orchestration start + eval gate (a gated job's) + engine trials (when they
+           will run) + engine start + engine seconds + shard overhead + index build + finish + exit
 
 - orchestration start is the critical path of what `tokenmill run` overlaps (tasks/warm.py): Prefect's
   API starts in its own process while the main thread imports the flow, predicts and starts the engine,
@@ -21,6 +21,9 @@
   each the median of the last KEEP_LAST runs that measured it (one loaded run moves a median of five
   little). Nothing is a factor fitted to another job's wall time.
 - a part never measured here is named in the prediction as a default, with its value.
+- a job with an eval gate: the gate's seconds as gates of the same models and sample size measured here,
+  then the corpus on the model this machine's kept verdict on the job's sample picks, else on the reference
+  (predict_gated); the gate's seconds are not the flow's start, and its engines' starts not the corpus's.
 
 `tokenmill plan`, `tokenmill calibrate` and `tokenmill run` all call `predict_job`, so one job
 gets one line. The run makes its prediction before it starts work (before any trial) and its
@@ -53,6 +56,8 @@ from tokenmill.engine_choice import (
     trial_rows,
     trials_cached,
 )
+from tokenmill.digest import stable_digest
+from tokenmill.gate import GateReport, candidate_models, chosen_model, known_verdict
 from tokenmill.models import resolve_model
 from tokenmill.outputs import MANIFEST, OutputStore
 from tokenmill.planning import row_cache_share, rows_per_shard
@@ -96,6 +101,11 @@ DEFAULT_TOKENS_PER_S_BY_MODE = {"embed": 7_000.0, "generate": 170.0}
 DEFAULT_WINNER = {"embed": "transformers", "generate": "vllm"}  # auto's usual choice on a CPU, without trials
 DISTINCT_ROWS_READ = 1_000_000  # rows read to count identical inputs; beyond them, the share counted so far
 KEEP_LAST = 5
+# An eval gate never measured here: each model's start and the sample at its rate (the engines' defaults), and
+# this for the rest (the sample's reading, the metrics, closing an engine). A gate whose verdict this machine
+# kept starts no engine: it reads and judges the sample again.
+GATE_BESIDES_SECONDS = 1.0
+GATE_VERDICT_KEPT_SECONDS = 0.5
 # A shard overhead is scaled from a measured length class at most this many classes (x2 each) away: part of
 # it is per row, not per token, and a factor of 4 is as far as the runs here bear it out.
 MAX_LENGTH_CLASSES_SCALED = 2
@@ -205,6 +215,12 @@ def engine_key(spec: JobSpec, engine: str) -> str:
     return f"{device_label()}|{engine}|{spec.model_name}|{spec.mode}"
 
 
+def gate_key(spec: JobSpec) -> str:
+    """An eval gate's seconds: per device and mode, for its models (reference and candidates) and sample size."""
+    models = [spec.gate.reference.model_dump(mode="json"), *(m.model_dump(mode="json") for m in candidate_models(spec))]
+    return f"{device_label()}|gate|{spec.mode}|{stable_digest([models, spec.gate.sample_rows], 12)}"
+
+
 def trials_key(spec: JobSpec) -> str:
     return f"{device_label()}|trials|{spec.model_name}|{spec.mode}"
 
@@ -214,13 +230,17 @@ def rates_key(spec: JobSpec, engine: str) -> str:
     return f"{device_label()}|{engine}|rates|{trial_family(spec, resolve_model(spec.model_name), device_label())}"
 
 
-def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> list[tuple[float, float, str]]:
+def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials,
+                gate_rate: tuple[float, float] | None = None) -> list[tuple[float, float, str]]:
     """(mean input tokens a row, tokens/s, where from): what runs of this job's family measured here at a
-    length class, else its trial there."""
+    length class, else its eval gate's sample on this model (gate_rate: mean tokens a row, tokens/s), else
+    its trial there."""
     runs = parts.get(rates_key(spec, engine), {})
     points = {int(name.split("@")[1]): (statistics.median(runs[f"mean_tokens@{name.split('@')[1]}"]),
                                         statistics.median(values), "runs")
               for name, values in runs.items() if name.startswith("tokens_per_s@")}
+    if gate_rate is not None:
+        points.setdefault(length_class(gate_rate[0]), (*gate_rate, "its gate's sample"))
     for mean, t in trials:
         if t.engine == engine and t.tokens_per_s > 0:
             points.setdefault(length_class(mean), (mean, t.tokens_per_s, "trial"))
@@ -319,10 +339,10 @@ def default_rate(engine: str, mode: str) -> float:
 
 
 def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
-                parts: dict[str, Any] | None = None) -> tuple[Part, float]:
+                parts: dict[str, Any] | None = None, gate_rate: tuple[float, float] | None = None) -> tuple[Part, float]:
     """The engine's seconds for the rows still to compute (identical inputs once, where the run collapses
     them on this engine), and their tokens."""
-    points = rate_points(spec, engine, parts or {}, trials)
+    points = rate_points(spec, engine, parts or {}, trials, gate_rate)
     lengths = sample.lengths or [1]
     out_per_row = (output_tokens_per_row(spec, [t for _, t in trials if t.engine == engine])
                    if spec.mode == "generate" else 0.0)
@@ -537,9 +557,12 @@ def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int) -> Pa
     return Part(name="shard overhead", seconds=seconds * rows / 1000, source=f"{seconds:.2f} s per 1,000 rows, {source}")
 
 
-def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> Prediction:
+def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, early_start: bool = True,
+            gate_rate: tuple[float, float] | None = None) -> Prediction:
     """The whole process's seconds in parts (see the module's docstring); reads nothing but this job's
-    sample, this job's trials (`trials`) and the parts measured here for its engine (`parts`)."""
+    sample, this job's trials (`trials`) and the parts measured here for its engine (`parts`).
+    early_start: the engine starts beside the API's start (tasks/warm.py), not after it (a gated job's);
+    gate_rate: the model's rate on the job's gate sample, (mean tokens a row, tokens/s), where one was kept."""
     engine, why = predicted_engine(spec, sample, trials)
     fixed = fixed_key(spec, engine)
     able = runnable_engines(spec)[0]
@@ -549,10 +572,10 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials) -> 
     else:
         start = engine_start_part(spec, engine, sample, parts, trials)
     out = [Part(name="python imports", **_seconds(parts, fixed, "python imports")),
-           orchestration_part(parts, fixed, 0.0 if trial_runs else start.seconds)]
+           orchestration_part(parts, fixed, 0.0 if trial_runs or not early_start else start.seconds)]
     if trial_runs:
         out.append(trials_part(spec, sample, parts, able, trials, kept=engine == trial_order(able)[-1]))
-    engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts)
+    engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts, gate_rate)
     out += [start, engine_seconds]
     factor, why = machine_speed()
     out.append(Part(name="shard tasks", seconds=PER_SHARD_SECONDS * factor * sample.shards, source=(
@@ -676,9 +699,64 @@ _made: dict[str, Prediction] = {}  # per job, for this process: the prediction i
 
 def predict_job(spec: JobSpec) -> Prediction:
     """The one prediction of a job on this machine: `tokenmill plan`, `calibrate` and `run` call this."""
-    prediction = predict(spec, job_sample(spec), read_parts(), engine_trials(spec))
+    if spec.gate is not None:
+        prediction = predict_gated(spec)
+    else:
+        prediction = predict(spec, job_sample(spec), read_parts(), engine_trials(spec))
     _made[_job_key(spec)] = prediction
     return prediction
+
+
+def predict_gated(spec: JobSpec) -> Prediction:
+    """A job with an eval gate: the gate, then the corpus on the model it picks, which does not start beside
+    the API (tasks/warm.py starts no engine before the gate). Where this machine kept a verdict on this job's
+    sample and models, that verdict's model and a gate that starts no engine; else the gate measures every
+    model, and the corpus is predicted on the reference, what the gate runs when no candidate passes or saves
+    gate.min_saving (the part says so: a cheaper candidate that passes runs in less)."""
+    verdict = known_verdict(spec)
+    model = chosen_model(spec, verdict) if verdict is not None else spec.gate.reference
+    corpus = spec.model_copy(update={"model": model})
+    parts = read_parts()
+    sample = job_sample(corpus)
+    out = predict(corpus, sample, parts, engine_trials(corpus), early_start=False, gate_rate=kept_rate(verdict))
+    gate = gate_part(spec, corpus, verdict, sample, parts)
+    return out.model_copy(update={"parts": [*out.parts[:2], gate, *out.parts[2:]]})
+
+
+def kept_rate(verdict: GateReport | None) -> tuple[float, float] | None:
+    """The corpus model's (mean tokens a row, tokens/s) on the gate's sample, from a kept verdict. Embedding
+    only: a generation sample's tokens hold its answers, and its calls are priced by call_costs."""
+    if verdict is None or verdict.mode != "embed":
+        return None
+    cost = verdict.candidates[verdict.chosen].cost if verdict.action == "candidate" else verdict.reference
+    if cost.tokens <= 0 or cost.tokens_per_s <= 0 or verdict.sample_rows <= 0:
+        return None
+    return cost.tokens / verdict.sample_rows, cost.tokens_per_s
+
+
+def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, sample: JobSample,
+              parts: dict[str, Any]) -> Part:
+    """The eval gate's seconds, as gates of these models and sample size measured here (apart for a verdict
+    kept); never measured: each model's default start and the sample's tokens at its default rate."""
+    ran_on = f"the corpus on {corpus.model.name} ({corpus.model.engine})"
+    if verdict is not None:
+        seconds, source = stored(parts, gate_key(spec), "gate, verdict kept", GATE_VERDICT_KEPT_SECONDS)
+        return Part(name="eval gate", seconds=seconds, source=(
+            f"{source}; this machine's verdict on this sample kept ({verdict.action}): {ran_on}"))
+    why = (f"no verdict here on this sample yet: {ran_on}, the reference, as the gate runs it when no "
+           f"candidate passes and saves gate.min_saving (one that does runs the corpus in less)")
+    seconds, source = stored(parts, gate_key(spec), "gate", None)
+    if seconds is not None:
+        return Part(name="eval gate", seconds=seconds, source=f"{source}; {why}")
+    rows = min(spec.gate.sample_rows, len(sample.lengths) or 1)
+    tokens = statistics.fmean(sample.lengths or [1]) * rows
+    models = [spec.gate.reference, *candidate_models(spec)]
+    each = [default_start_here(m.engine, spec.mode) + tokens / default_rate_here(m.engine, spec.mode) for m in models]
+    factor, speed = machine_speed()
+    return Part(name="eval gate", seconds=sum(each) + GATE_BESIDES_SECONDS * factor, source=(
+        f"default: never measured here, {len(models)} models each at its engine's default start and rate on "
+        f"~{tokens:,.0f} sample tokens, + {GATE_BESIDES_SECONDS:g} s{speed} (a quantized model made the first "
+        f"time not counted); {why}"))
 
 
 def made_for(spec: JobSpec) -> Prediction | None:
@@ -687,7 +765,10 @@ def made_for(spec: JobSpec) -> Prediction | None:
 
 
 def _job_key(spec: JobSpec) -> str:
-    return spec.model_dump_json(include={"input", "output", "model", "mode", "batching", "generation"})
+    """A job's identity for its prediction; with an eval gate the gate, not the model (which the gate picks,
+    after the prediction: the run is held to it whichever model ran)."""
+    chooses = "gate" if spec.gate is not None else "model"
+    return spec.model_dump_json(include={"input", "output", chooses, "mode", "batching", "generation"})
 
 
 # ---- afterwards: what the run measured -----------------------------------------------------------------
@@ -711,13 +792,15 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     early = _span(marks, "early_engine_start", "early_engine_ready")
     prepare = _span(marks, "first_shard_started", "first_engine_call")
     index = _span(marks, "index_start", "index_done")
+    kept = "gate_verdict_kept" in marks  # an eval gate ran in the flow's start (flows/batch.py): its own part
+    gate = _span(marks, "gate_start", "gate_verdict_kept" if kept else "gate_measured")
     fixed: dict[str, float] = {
         "python imports": _span(marks, "process", "cli_ready"),
         "orchestrator API": _span(marks, "api_start", "api_ready"),
         # with a trial, the main thread's work ran beside less of the API's start: stored apart (see MAIN_BESIDE_TRIAL)
         (MAIN_BESIDE_TRIAL if trials_ran else "main thread"):
             _span(marks, "cli_ready", "tracking_warm") - trials - waited - early,
-        "flow start": _span(marks, "flow_called", "first_engine_call") - prepare,
+        "flow start": _span(marks, "flow_called", "first_engine_call") - prepare - gate,
         "finish": _span(marks, "shards_done", "record_started") - index}
     engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
     rows_read = rows_read if rows_read is not None else engine_rows
@@ -731,6 +814,8 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     if index and engine_rows > 0:
         fixed["index build per 1,000 rows"] = index / engine_rows * 1000
     out = {fixed_key(spec, engine): fixed}
+    if gate:
+        out[gate_key(spec)] = {"gate, verdict kept" if kept else "gate": gate}
     imports = command_imports()
     if imports is not None:  # the machine's speed (machine_speed): every run's command imports, any job
         out[machine_key()] = {"python imports": imports}

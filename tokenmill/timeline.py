@@ -26,6 +26,13 @@ def marks() -> dict[str, float]:
     return dict(_marks)
 
 
+def forget(*names: str) -> None:
+    """Drop marks a step set that are not the job's own: an eval gate's engines mark their starts first,
+    and the corpus's engine (when it starts one) is the job's engine start."""
+    for name in names:
+        _marks.pop(name, None)
+
+
 def begin_job() -> None:
     """A job starts: it measures from the process's start only if it is the process's first job and
     was launched as a command (the CLI marked its way here); otherwise from its flow's start, with no
