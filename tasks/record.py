@@ -133,7 +133,7 @@ def fixed_and_steady(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def predicted_against_measured_wall(spec: JobSpec, engine: str, engine_choice, metrics: dict[str, float],
-                                    results: list[ShardResult], cached: set[str]) -> dict[str, float]:
+                                    results: list[ShardResult], cached: set[str], gate_report=None) -> dict[str, float]:
     """The prediction this process made before the job ran (tokenmill.prediction), beside what the run
     measured; then this run's measured parts are stored for the next prediction on this engine here."""
     predicted = prediction.made_for(spec)
@@ -144,8 +144,11 @@ def predicted_against_measured_wall(spec: JobSpec, engine: str, engine_choice, m
     trials_ran = engine_choice is not None and not engine_choice.cached and bool(engine_choice.trials)
     rows_read = sum(r.rows_out + r.rows_rejected for r in fresh)  # what the shards read, tokenized and wrote
     trial_engine_seconds = sum(t.wall_seconds for t in engine_choice.trials) if trials_ran else 0.0
+    gate_samples = None  # what a measuring gate's models spent on their samples: apart from its other seconds
+    if gate_report is not None and not gate_report.cached:
+        gate_samples = sum(c.seconds for c in [gate_report.reference, *(v.cost for v in gate_report.candidates)])
     prediction.remember_run(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
-                            shards_read=len(fresh))
+                            shards_read=len(fresh), gate_samples=gate_samples)
     get_run_logger().info("%s", predicted.describe())
     return prediction.compare(predicted, metrics)
 
@@ -198,7 +201,7 @@ def record_run_task(spec: JobSpec, results: list[ShardResult], wall_seconds: flo
     metrics.update(server_metrics)
     metrics.update(fixed_and_steady(metrics))
     metrics.update(predicted_against_measured_wall(spec, engine, engine_choice, metrics, results,
-                                                   set(cached_shard_ids or ())))
+                                                   set(cached_shard_ids or ()), gate_report))
     job_tokens = metrics.get("input_tokens", 0.0) + metrics.get("output_tokens", 0.0)
     if gate_report is not None:  # at the gate's measured rates, against running the corpus on the reference
         metrics["gate_usd_saved"] = gate_report.usd_saved(job_tokens)

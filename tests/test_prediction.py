@@ -321,7 +321,21 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
                                     usd_per_1m_tokens=0.02),
         [CandidateVerdict(cost=ModelCost(model="int8", engine="onnxruntime", seconds=0.1, tokens=tokens,
                                          tokens_per_s=4000.0, usd_per_1m_tokens=0.005), metrics=[], passed=True)])
-    gate._write_verdict(gate.verdict_key(spec, texts), verdict)
+    # a verdict of the same models on another corpus: its pick, and each model at its rate there
+    gate._write_verdict(gate.verdict_key(spec, ["another corpus"]), verdict, gate.judge_key(spec))
+    elsewhere = prediction.predict_job(spec)
+    assert elsewhere.engine == "onnxruntime"
+    assert "as this gate's last verdict here (another corpus) picked (candidate)" in elsewhere.part("eval gate").source
+    assert "(this gate's sample of another corpus)" in elsewhere.part("engine").source
+    prediction.remember_parts({prediction.gate_key(spec): {prediction.GATE_BESIDES: 30.0}})
+    part = prediction.predict_job(spec).part("eval gate")
+    sample_tokens = float(re.search(r"for ~([\d,]+) sample tokens", part.source).group(1).replace(",", ""))
+    assert part.seconds == pytest.approx(30.0 + sample_tokens / 1000.0 + sample_tokens / 4000.0, rel=0.01)
+    # a verdict of another gate (other thresholds) is not this gate's
+    other = spec.model_copy(update={"gate": spec.gate.model_copy(update={"thresholds": {"cosine_mean": 0.999}})})
+    assert gate.judge_key(other) != gate.judge_key(spec) and gate.last_verdict_elsewhere(other) is None
+
+    gate._write_verdict(gate.verdict_key(spec, texts), verdict, gate.judge_key(spec))
     kept = prediction.predict_job(spec)
     assert kept.engine == "onnxruntime"
     assert "verdict on this sample kept (candidate)" in kept.part("eval gate").source
@@ -348,6 +362,9 @@ def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(t
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False)
     assert parts[prediction.fixed_key(ran, "transformers")]["flow start"] == pytest.approx(30 - 7 - 1 - 20)
     assert parts[prediction.gate_key(ran)] == {"gate": pytest.approx(20.0)}
+    parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False,
+                                      gate_samples=6.0)  # what its models' samples took: the rest stored apart
+    assert parts[prediction.gate_key(ran)] == {"gate": pytest.approx(20.0), prediction.GATE_BESIDES: pytest.approx(14.0)}
     marks.pop("gate_measured")
     marks["gate_verdict_kept"] = t0 + 8.5
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False)

@@ -321,7 +321,7 @@ def evaluate(spec: JobSpec, texts: list[str], source: str, refresh: bool = False
         if known is not None:
             return known
     report = measure(spec, texts, source)
-    _write_verdict(key, report)
+    _write_verdict(key, report, judge_key(spec))
     return report
 
 
@@ -335,9 +335,11 @@ def known_verdict(spec: JobSpec) -> GateReport | None:
 
 def _known(spec: JobSpec, key: str) -> GateReport | None:
     known = _read_verdicts().get(key)
-    if known is None:
-        return None
-    report = GateReport.model_validate(known["report"])  # judged again: on_fail or min_saving may differ
+    return None if known is None else _rejudge(spec, known["report"])
+
+
+def _rejudge(spec: JobSpec, kept: dict[str, Any]) -> GateReport:
+    report = GateReport.model_validate(kept)  # judged again: on_fail or min_saving may differ
     rungs = report.candidates or [  # a verdict kept before ladders: its one candidate
         CandidateVerdict(cost=report.candidate, metrics=report.metrics, passed=report.passed)]
     return GateReport.judge(spec, report.sample_source, report.sample_rows, report.reference,
@@ -347,17 +349,37 @@ def _known(spec: JobSpec, key: str) -> GateReport | None:
 def verdict_key(spec: JobSpec, texts: list[str]) -> str:
     """What decides a verdict: the sample's texts, every model (and its files' sizes and times), the
     thresholds, the greedy generation settings, the device and the libraries' versions."""
+    return stable_digest({**_judged_by(spec), "texts": stable_digest(texts)}, 24)
+
+
+def judge_key(spec: JobSpec) -> str:
+    """A verdict's identity but the sample: the same models, thresholds, device and libraries on any corpus."""
+    return stable_digest(_judged_by(spec), 24)
+
+
+def _judged_by(spec: JobSpec) -> dict[str, Any]:
     gate = _gate(spec)
     models = [gate.reference, *candidate_models(spec)]
-    identity = {"version": GATE_CACHE_VERSION, "mode": spec.mode, "texts": stable_digest(texts),
-                "models": [[m.model_dump(mode="json"), _files_identity(resolve_model(job_for(spec, m).model_name))]
-                           for m in models],
-                "thresholds": thresholds_for(spec), "device": device_label(),
-                "versions": library_versions(GATE_LIBRARIES),
-                "generation": _gate_job(spec, spec.model).generation.model_dump(mode="json")
-                if spec.mode == "generate" else None,
-                "max_input_tokens": spec.model.max_input_tokens, "overlong": spec.overlong}
-    return stable_digest(identity, 24)
+    return {"version": GATE_CACHE_VERSION, "mode": spec.mode,
+            "models": [[m.model_dump(mode="json"), _files_identity(resolve_model(job_for(spec, m).model_name))]
+                       for m in models],
+            "thresholds": thresholds_for(spec), "device": device_label(),
+            "versions": library_versions(GATE_LIBRARIES),
+            "generation": _gate_job(spec, spec.model).generation.model_dump(mode="json")
+            if spec.mode == "generate" else None,
+            "max_input_tokens": spec.model.max_input_tokens, "overlong": spec.overlong}
+
+
+def last_verdict_elsewhere(spec: JobSpec) -> GateReport | None:
+    """The latest verdict this machine measured for the same models and thresholds on another sample (another
+    corpus), judged again with this job's gate settings; None if it never judged them (tokenmill.prediction:
+    before a gate measures this corpus, the model it picked here last)."""
+    judged = judge_key(spec)
+    kept = [entry for key, entry in _read_verdicts().items()
+            if key != "rates" and isinstance(entry, dict) and entry.get("judged_by") == judged]
+    if not kept:
+        return None
+    return _rejudge(spec, max(kept, key=lambda entry: entry.get("measured_at", 0.0))["report"])
 
 
 def _files_identity(model_path: str) -> list:
@@ -374,8 +396,8 @@ def _read_verdicts() -> dict[str, Any]:
         return {}
 
 
-def _write_verdict(key: str, report: GateReport) -> None:
-    _update_verdicts(lambda cache: cache.update({key: {"measured_at": time.time(),
+def _write_verdict(key: str, report: GateReport, judged_by: str = "") -> None:
+    _update_verdicts(lambda cache: cache.update({key: {"measured_at": time.time(), "judged_by": judged_by,
                                                        "report": report.model_dump(mode="json")}}))
 
 
@@ -574,6 +596,6 @@ def _gate(spec: JobSpec) -> GateSpec:
     return spec.gate
 
 
-__all__ = ["GateReport", "CandidateVerdict", "evaluate", "known_verdict", "sample_texts", "embedding_agreement",
+__all__ = ["GateReport", "CandidateVerdict", "evaluate", "known_verdict", "last_verdict_elsewhere", "sample_texts", "embedding_agreement",
            "generation_agreement", "thresholds_for", "candidate_model", "candidate_models", "chosen_model", "job_for",
            "DEFAULT_THRESHOLDS"]

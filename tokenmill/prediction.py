@@ -57,7 +57,7 @@ from tokenmill.engine_choice import (
     trials_cached,
 )
 from tokenmill.digest import stable_digest
-from tokenmill.gate import GateReport, candidate_models, chosen_model, known_verdict
+from tokenmill.gate import GateReport, candidate_models, chosen_model, known_verdict, last_verdict_elsewhere
 from tokenmill.models import resolve_model
 from tokenmill.outputs import MANIFEST, OutputStore
 from tokenmill.planning import row_cache_share, rows_per_shard
@@ -106,6 +106,7 @@ KEEP_LAST = 5
 # kept starts no engine: it reads and judges the sample again.
 GATE_BESIDES_SECONDS = 1.0
 GATE_VERDICT_KEPT_SECONDS = 0.5
+GATE_MEASURED, GATE_KEPT, GATE_BESIDES = "gate", "gate, verdict kept", "gate besides the models' samples"
 # A shard overhead is scaled from a measured length class at most this many classes (x2 each) away: part of
 # it is per row, not per token, and a factor of 4 is as far as the runs here bear it out.
 MAX_LENGTH_CLASSES_SCALED = 2
@@ -231,16 +232,16 @@ def rates_key(spec: JobSpec, engine: str) -> str:
 
 
 def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials,
-                gate_rate: tuple[float, float] | None = None) -> list[tuple[float, float, str]]:
+                gate_rate: tuple[float, float, str] | None = None) -> list[tuple[float, float, str]]:
     """(mean input tokens a row, tokens/s, where from): what runs of this job's family measured here at a
-    length class, else its eval gate's sample on this model (gate_rate: mean tokens a row, tokens/s), else
-    its trial there."""
+    length class, else an eval gate's sample on this model (gate_rate: mean tokens a row, tokens/s, where),
+    else its trial there."""
     runs = parts.get(rates_key(spec, engine), {})
     points = {int(name.split("@")[1]): (statistics.median(runs[f"mean_tokens@{name.split('@')[1]}"]),
                                         statistics.median(values), "runs")
               for name, values in runs.items() if name.startswith("tokens_per_s@")}
     if gate_rate is not None:
-        points.setdefault(length_class(gate_rate[0]), (*gate_rate, "its gate's sample"))
+        points.setdefault(length_class(gate_rate[0]), gate_rate)
     for mean, t in trials:
         if t.engine == engine and t.tokens_per_s > 0:
             points.setdefault(length_class(mean), (mean, t.tokens_per_s, "trial"))
@@ -339,7 +340,8 @@ def default_rate(engine: str, mode: str) -> float:
 
 
 def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
-                parts: dict[str, Any] | None = None, gate_rate: tuple[float, float] | None = None) -> tuple[Part, float]:
+                parts: dict[str, Any] | None = None,
+                gate_rate: tuple[float, float, str] | None = None) -> tuple[Part, float]:
     """The engine's seconds for the rows still to compute (identical inputs once, where the run collapses
     them on this engine), and their tokens."""
     points = rate_points(spec, engine, parts or {}, trials, gate_rate)
@@ -558,11 +560,11 @@ def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int) -> Pa
 
 
 def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, early_start: bool = True,
-            gate_rate: tuple[float, float] | None = None) -> Prediction:
+            gate_rate: tuple[float, float, str] | None = None) -> Prediction:
     """The whole process's seconds in parts (see the module's docstring); reads nothing but this job's
     sample, this job's trials (`trials`) and the parts measured here for its engine (`parts`).
     early_start: the engine starts beside the API's start (tasks/warm.py), not after it (a gated job's);
-    gate_rate: the model's rate on the job's gate sample, (mean tokens a row, tokens/s), where one was kept."""
+    gate_rate: the model's rate on a gate's sample here, (mean tokens a row, tokens/s, where), where one was kept."""
     engine, why = predicted_engine(spec, sample, trials)
     fixed = fixed_key(spec, engine)
     able = runnable_engines(spec)[0]
@@ -710,46 +712,66 @@ def predict_job(spec: JobSpec) -> Prediction:
 def predict_gated(spec: JobSpec) -> Prediction:
     """A job with an eval gate: the gate, then the corpus on the model it picks, which does not start beside
     the API (tasks/warm.py starts no engine before the gate). Where this machine kept a verdict on this job's
-    sample and models, that verdict's model and a gate that starts no engine; else the gate measures every
-    model, and the corpus is predicted on the reference, what the gate runs when no candidate passes or saves
-    gate.min_saving (the part says so: a cheaper candidate that passes runs in less)."""
+    sample and models, that verdict's model and a gate that starts no engine. Else the gate measures every
+    model, and the corpus is predicted on the model this gate's last verdict here (on another corpus)
+    picked, and before any, on the reference: what the gate runs when no candidate passes or saves
+    gate.min_saving (the part says which)."""
     verdict = known_verdict(spec)
-    model = chosen_model(spec, verdict) if verdict is not None else spec.gate.reference
+    elsewhere = last_verdict_elsewhere(spec) if verdict is None else None
+    picks = verdict or elsewhere
+    model = chosen_model(spec, picks) if picks is not None else spec.gate.reference
     corpus = spec.model_copy(update={"model": model})
     parts = read_parts()
     sample = job_sample(corpus)
-    out = predict(corpus, sample, parts, engine_trials(corpus), early_start=False, gate_rate=kept_rate(verdict))
-    gate = gate_part(spec, corpus, verdict, sample, parts)
+    rate = kept_rate(picks, "its gate's sample" if verdict is not None else "this gate's sample of another corpus")
+    out = predict(corpus, sample, parts, engine_trials(corpus), early_start=False, gate_rate=rate)
+    gate = gate_part(spec, corpus, verdict, elsewhere, sample, parts)
     return out.model_copy(update={"parts": [*out.parts[:2], gate, *out.parts[2:]]})
 
 
-def kept_rate(verdict: GateReport | None) -> tuple[float, float] | None:
-    """The corpus model's (mean tokens a row, tokens/s) on the gate's sample, from a kept verdict. Embedding
-    only: a generation sample's tokens hold its answers, and its calls are priced by call_costs."""
+def kept_rate(verdict: GateReport | None, where: str) -> tuple[float, float, str] | None:
+    """The corpus model's (mean tokens a row, tokens/s, where) on a gate's sample, from a kept verdict.
+    Embedding only: a generation sample's tokens hold its answers, and its calls are priced by call_costs."""
     if verdict is None or verdict.mode != "embed":
         return None
     cost = verdict.candidates[verdict.chosen].cost if verdict.action == "candidate" else verdict.reference
     if cost.tokens <= 0 or cost.tokens_per_s <= 0 or verdict.sample_rows <= 0:
         return None
-    return cost.tokens / verdict.sample_rows, cost.tokens_per_s
+    return cost.tokens / verdict.sample_rows, cost.tokens_per_s, where
 
 
-def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, sample: JobSample,
-              parts: dict[str, Any]) -> Part:
-    """The eval gate's seconds, as gates of these models and sample size measured here (apart for a verdict
-    kept); never measured: each model's default start and the sample's tokens at its default rate."""
+def gate_samples_seconds(verdict: GateReport, tokens: float) -> float:
+    """Every model the verdict ran, on `tokens` sample tokens at the rate it measured on its own sample."""
+    costs = [verdict.reference, *(v.cost for v in verdict.candidates)]
+    return sum(tokens / c.tokens_per_s for c in costs if c.tokens > 0 and c.tokens_per_s > 0)
+
+
+def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, elsewhere: GateReport | None,
+              sample: JobSample, parts: dict[str, Any]) -> Part:
+    """The eval gate's seconds. A verdict kept on this sample: as such gates measured here. Else the gate
+    measures: what its gates here spent besides the models' samples, plus this sample's tokens at each
+    model's rate in this gate's last verdict here; before that, as gates of these models and sample size
+    measured here; never measured: each model's default start and the sample's tokens at its default rate."""
     ran_on = f"the corpus on {corpus.model.name} ({corpus.model.engine})"
+    key = gate_key(spec)
     if verdict is not None:
-        seconds, source = stored(parts, gate_key(spec), "gate, verdict kept", GATE_VERDICT_KEPT_SECONDS)
+        seconds, source = stored(parts, key, GATE_KEPT, GATE_VERDICT_KEPT_SECONDS)
         return Part(name="eval gate", seconds=seconds, source=(
             f"{source}; this machine's verdict on this sample kept ({verdict.action}): {ran_on}"))
-    why = (f"no verdict here on this sample yet: {ran_on}, the reference, as the gate runs it when no "
-           f"candidate passes and saves gate.min_saving (one that does runs the corpus in less)")
-    seconds, source = stored(parts, gate_key(spec), "gate", None)
+    why = (f"no verdict here on this sample yet: {ran_on}, " + (
+        f"as this gate's last verdict here (another corpus) picked ({elsewhere.action})" if elsewhere is not None
+        else "the reference, as the gate runs it when no candidate passes and saves gate.min_saving (one that "
+             "does runs the corpus in less)"))
+    tokens = statistics.fmean(sample.lengths or [1]) * min(spec.gate.sample_rows, max(sample.rows_read, 1))
+    besides, source = stored(parts, key, GATE_BESIDES, None)
+    if besides is not None and elsewhere is not None:
+        samples = gate_samples_seconds(elsewhere, tokens)
+        return Part(name="eval gate", seconds=besides + samples, source=(
+            f"{besides:.1f} s besides the models' samples ({source}) + {samples:.1f} s for ~{tokens:,.0f} sample "
+            f"tokens at each model's rate in its last verdict here; {why}"))
+    seconds, source = stored(parts, key, GATE_MEASURED, None)
     if seconds is not None:
         return Part(name="eval gate", seconds=seconds, source=f"{source}; {why}")
-    rows = min(spec.gate.sample_rows, len(sample.lengths) or 1)
-    tokens = statistics.fmean(sample.lengths or [1]) * rows
     models = [spec.gate.reference, *candidate_models(spec)]
     each = [default_start_here(m.engine, spec.mode) + tokens / default_rate_here(m.engine, spec.mode) for m in models]
     factor, speed = machine_speed()
@@ -779,9 +801,11 @@ def _span(marks: dict[str, float], start: str, end: str) -> float:
 
 def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
                    trials_ran: bool, rows_read: int | None = None,
-                   trial_engine_seconds: float = 0.0, shards_read: int = 0) -> dict[str, dict[str, float]]:
+                   trial_engine_seconds: float = 0.0, shards_read: int = 0,
+                   gate_samples: float | None = None) -> dict[str, dict[str, float]]:
     """This run's parts, by the cache key each is stored under (see `predict`). trial_engine_seconds: the
     trials' engines' whole trials (each engine's `wall_seconds`), when this run paid for trials;
+    gate_samples: the seconds its eval gate's models spent on their timed samples, when it measured them;
     shards_read: the shards it ran (each a task: PER_SHARD_SECONDS of its overhead is theirs, not the rows')."""
     marks = {"process": timeline.process_started(), **timeline.marks()}
     if not timeline.measures_process() or not {"cli_ready", "tracking_warm", "flow_called", "first_engine_call"} <= set(marks):
@@ -815,7 +839,9 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         fixed["index build per 1,000 rows"] = index / engine_rows * 1000
     out = {fixed_key(spec, engine): fixed}
     if gate:
-        out[gate_key(spec)] = {"gate, verdict kept" if kept else "gate": gate}
+        out[gate_key(spec)] = {GATE_KEPT: gate} if kept else {GATE_MEASURED: gate}
+        if not kept and gate_samples is not None:  # the models' starts, a quantized model's making, the metrics
+            out[gate_key(spec)][GATE_BESIDES] = gate - gate_samples
     imports = command_imports()
     if imports is not None:  # the machine's speed (machine_speed): every run's command imports, any job
         out[machine_key()] = {"python imports": imports}
@@ -855,10 +881,10 @@ _exit_from: list[tuple[str, float]] = []  # (parts key, record's start) of the r
 
 def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
                  trials_ran: bool, rows_read: int | None = None, trial_engine_seconds: float = 0.0,
-                 shards_read: int = 0) -> None:
+                 shards_read: int = 0, gate_samples: float | None = None) -> None:
     """Store this run's measured parts for the next prediction of any job on this engine here."""
     remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
-                                  shards_read))
+                                  shards_read, gate_samples))
     call_costs.remember_calls(cache_dir(), rates_key(spec, engine), call_costs.take(spec, engine))
     marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
     if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
