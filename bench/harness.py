@@ -291,7 +291,7 @@ REPORTS = {
                         "python -m bench.row_cache --rows 7000 --report bench/ROW_CACHE_7K.md"),
     "PREDICTION.md": ("the wall-time prediction against measured runs", "python -m bench.prediction"),
     "BACKFILL.md": ("backfill runs", "python -m bench.backfill"),
-    "SPEED_DRIFT.md": ("identical engine work timed over 10 minutes: how much its speed drifts here, and whether a "
+    "SPEED_DRIFT.md": ("identical engine work timed for minutes: how much its speed drifts here, and whether a "
                        "speed probe or recent costs would predict it better", "python -m bench.speed_drift"),
     "FINDINGS.md": ("what the figures mean (prose, written by hand)", "—"),
 }
