@@ -119,8 +119,12 @@ def pytest_sessionfinish(session, exitstatus):
     if server_module is None:
         return
     # first what Prefect's workers still hold for the servers (events, logs), then the servers
-    from prefect._internal.concurrency.services import QueueService
+    try:  # Prefect's own internals: a Prefect without them is left to stop its servers at exit
+        from prefect._internal.concurrency.services import QueueService
 
-    QueueService.drain_all(timeout=30)
-    for server in list(server_module.SubprocessASGIServer._instances.values()):
+        QueueService.drain_all(timeout=30)
+        servers = list(server_module.SubprocessASGIServer._instances.values())
+    except (ImportError, AttributeError):
+        return
+    for server in servers:
         server.stop()

@@ -327,6 +327,8 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
     assert elsewhere.engine == "onnxruntime"
     assert "as this gate's last verdict here (another corpus) picked (candidate)" in elsewhere.part("eval gate").source
     assert "(this gate's sample of another corpus)" in elsewhere.part("engine").source
+    # the gate measures this corpus, and its last model, the pick, stays open for the corpus: no second start
+    assert elsewhere.part("engine start").seconds == 0 and "kept open from the gate" in elsewhere.part("engine start").source
     prediction.remember_parts({prediction.gate_key(spec): {prediction.GATE_BESIDES: 30.0}})
     part = prediction.predict_job(spec).part("eval gate")
     sample_tokens = float(re.search(r"for ~([\d,]+) sample tokens", part.source).group(1).replace(",", ""))
@@ -337,12 +339,27 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
 
     gate._write_verdict(gate.verdict_key(spec, texts), verdict, gate.judge_key(spec))
     kept = prediction.predict_job(spec)
-    assert kept.engine == "onnxruntime"
+    assert kept.engine == "onnxruntime" and kept.part("engine start").seconds > 0  # a kept verdict starts no engine
     assert "verdict on this sample kept (candidate)" in kept.part("eval gate").source
     assert "(its gate's sample)" in kept.part("engine").source
     # the run is held to this prediction: the flow asks for it with the model the gate picked
     ran = spec.model_copy(update={"model": chosen_model(spec, gate.known_verdict(spec))})
     assert prediction.made_for(ran) is kept
+
+    # the job's own model as the implicit candidate: the gate's seconds stored under the key its prediction read,
+    # though the run's spec then holds the reference as its model
+    implicit = spec.model_copy(update={"model": spec.gate.candidates[0],
+                                       "gate": spec.gate.model_copy(update={"candidates": []})})
+    prediction.predict_job(implicit)
+    on_reference = implicit.model_copy(update={"model": implicit.gate.reference})
+    assert prediction.gate_key(on_reference) != prediction.gate_key(implicit)
+    monkeypatch.setattr(prediction.timeline, "marks", lambda: {
+        "process": 0.0, "cli_ready": 1.0, "tracking_warm": 2.0, "flow_called": 3.0, "gate_start": 3.5,
+        "gate_measured": 9.5, "first_engine_call": 10.0})
+    monkeypatch.setattr(prediction.timeline, "process_started", lambda: 0.0)
+    monkeypatch.setattr(prediction.timeline, "measures_process", lambda: True)
+    stored = prediction.measured_parts(on_reference, "transformers", {}, 0, False)
+    assert stored[prediction.gate_key(implicit)] == {"gate": pytest.approx(6.0)}
 
 
 def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(tmp_path, monkeypatch):
@@ -365,6 +382,12 @@ def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(t
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False,
                                       gate_samples=6.0)  # what its models' samples took: the rest stored apart
     assert parts[prediction.gate_key(ran)] == {"gate": pytest.approx(20.0), prediction.GATE_BESIDES: pytest.approx(14.0)}
+    # the corpus's engine started in the first shard (no early start before a gate): its start, not shard overhead
+    overhead = parts[prediction.fixed_key(ran, "transformers")][prediction.OVERHEAD]
+    marks.update(engine_start=t0 + 29.2, engine_ready=t0 + 29.7)
+    parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False)
+    assert parts[prediction.engine_key(ran, "transformers")] == {"engine start": pytest.approx(0.5)}
+    assert parts[prediction.fixed_key(ran, "transformers")][prediction.OVERHEAD] == pytest.approx(overhead - 0.5 / 40 * 1000)
     marks.pop("gate_measured")
     marks["gate_verdict_kept"] = t0 + 8.5
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False)

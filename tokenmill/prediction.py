@@ -701,6 +701,8 @@ def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict
 
 
 _made: dict[str, Prediction] = {}  # per job, for this process: the prediction its run is held to
+# per gated job: its gate's key as predicted (with an implicit candidate, the job's model, which the gate changes)
+_gate_keys: dict[str, str] = {}
 
 
 def predict_job(spec: JobSpec) -> Prediction:
@@ -730,7 +732,13 @@ def predict_gated(spec: JobSpec) -> Prediction:
     rate = kept_rate(picks, "its gate's sample" if verdict is not None else "this gate's sample of another corpus")
     out = predict(corpus, sample, parts, engine_trials(corpus), early_start=False, gate_rate=rate)
     gate = gate_part(spec, corpus, verdict, elsewhere, sample, parts)
-    return out.model_copy(update={"parts": [*out.parts[:2], gate, *out.parts[2:]]})
+    rest = out.parts[2:]
+    if verdict is None and picks is not None and picks.action == "candidate" \
+            and picks.chosen == len(candidate_models(spec)) - 1:  # gate.measure leaves its last model's engine open
+        rest = [Part(name="engine start", seconds=0.0, source=f"{model.engine}: kept open from the gate, its last "
+                     "model") if p.name == "engine start" else p for p in rest]
+    _gate_keys[_job_key(spec)] = gate_key(spec)
+    return out.model_copy(update={"parts": [*out.parts[:2], gate, *rest]})
 
 
 def kept_rate(verdict: GateReport | None, where: str) -> tuple[float, float, str] | None:
@@ -766,7 +774,8 @@ def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, elsewh
         f"as this gate's last verdict here (another corpus) picked ({elsewhere.action})" if elsewhere is not None
         else "the reference, as the gate runs it when no candidate passes and saves gate.min_saving (one that "
              "does runs the corpus in less)"))
-    tokens = statistics.fmean(sample.lengths or [1]) * min(spec.gate.sample_rows, max(sample.rows_read, 1))
+    corpus_rows = sample.rows_read if not sample.finished_shards else spec.gate.sample_rows  # a re-run: still sampled
+    tokens = statistics.fmean(sample.lengths or [1]) * min(spec.gate.sample_rows, max(corpus_rows, 1))
     besides, source = stored(parts, key, GATE_BESIDES, None)
     if besides is not None and elsewhere is not None:
         samples = gate_samples_seconds(elsewhere, tokens)
@@ -819,6 +828,8 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     waited = _span(marks, "api_wait", "engine_choice_start") if trials_ran else 0.0
     early = _span(marks, "early_engine_start", "early_engine_ready")
     prepare = _span(marks, "first_shard_started", "first_engine_call")
+    if not early and marks.get("engine_start", 0.0) >= marks.get("first_shard_started", math.inf):
+        prepare -= _span(marks, "engine_start", "engine_ready")  # the engine started in the first shard: its own part
     index = _span(marks, "index_start", "index_done")
     kept = "gate_verdict_kept" in marks  # an eval gate ran in the flow's start (flows/batch.py): its own part
     gate = _span(marks, "gate_start", "gate_verdict_kept" if kept else "gate_measured")
@@ -843,9 +854,10 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         fixed["index build per 1,000 rows"] = index / engine_rows * 1000
     out = {fixed_key(spec, engine): fixed}
     if gate:
-        out[gate_key(spec)] = {GATE_KEPT: gate} if kept else {GATE_MEASURED: gate}
+        key = _gate_keys.get(_job_key(spec)) or gate_key(spec)
+        out[key] = {GATE_KEPT: gate} if kept else {GATE_MEASURED: gate}
         if not kept and gate_samples is not None:  # the models' starts, a quantized model's making, the metrics
-            out[gate_key(spec)][GATE_BESIDES] = gate - gate_samples
+            out[key][GATE_BESIDES] = gate - gate_samples
     imports = command_imports()
     if imports is not None:  # the machine's speed (machine_speed): every run's command imports, any job
         out[machine_key()] = {"python imports": imports}
