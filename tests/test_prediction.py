@@ -328,7 +328,8 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
     assert "as this gate's last verdict here (another corpus) picked (candidate)" in elsewhere.part("eval gate").source
     assert "(this gate's sample of another corpus)" in elsewhere.part("engine").source
     # the gate measures this corpus, and its last model, the pick, stays open for the corpus: no second start
-    assert elsewhere.part("engine start").seconds == 0 and "kept open from the gate" in elsewhere.part("engine start").source
+    start = elsewhere.part("engine start")
+    assert start.seconds == 0 and "kept open from the gate" in start.source
     prediction.remember_parts({prediction.gate_key(spec): {prediction.GATE_BESIDES: 30.0}})
     part = prediction.predict_job(spec).part("eval gate")
     sample_tokens = float(re.search(r"for ~([\d,]+) sample tokens", part.source).group(1).replace(",", ""))
@@ -381,13 +382,15 @@ def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(t
     assert parts[prediction.gate_key(ran)] == {"gate": pytest.approx(20.0)}
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False,
                                       gate_samples=6.0)  # what its models' samples took: the rest stored apart
-    assert parts[prediction.gate_key(ran)] == {"gate": pytest.approx(20.0), prediction.GATE_BESIDES: pytest.approx(14.0)}
+    assert parts[prediction.gate_key(ran)] == {"gate": pytest.approx(20.0),
+                                               prediction.GATE_BESIDES: pytest.approx(14.0)}
     # the corpus's engine started in the first shard (no early start before a gate): its start, not shard overhead
     overhead = parts[prediction.fixed_key(ran, "transformers")][prediction.OVERHEAD]
     marks.update(engine_start=t0 + 29.2, engine_ready=t0 + 29.7)
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False)
     assert parts[prediction.engine_key(ran, "transformers")] == {"engine start": pytest.approx(0.5)}
-    assert parts[prediction.fixed_key(ran, "transformers")][prediction.OVERHEAD] == pytest.approx(overhead - 0.5 / 40 * 1000)
+    fixed = parts[prediction.fixed_key(ran, "transformers")]
+    assert fixed[prediction.OVERHEAD] == pytest.approx(overhead - 0.5 / 40 * 1000)
     marks.pop("gate_measured")
     marks["gate_verdict_kept"] = t0 + 8.5
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False)

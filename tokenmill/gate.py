@@ -596,6 +596,6 @@ def _gate(spec: JobSpec) -> GateSpec:
     return spec.gate
 
 
-__all__ = ["GateReport", "CandidateVerdict", "evaluate", "known_verdict", "last_verdict_elsewhere", "sample_texts", "embedding_agreement",
-           "generation_agreement", "thresholds_for", "candidate_model", "candidate_models", "chosen_model", "job_for",
-           "DEFAULT_THRESHOLDS"]
+__all__ = ["GateReport", "CandidateVerdict", "evaluate", "known_verdict", "last_verdict_elsewhere", "sample_texts",
+           "embedding_agreement", "generation_agreement", "thresholds_for", "candidate_model", "candidate_models",
+           "chosen_model", "job_for", "DEFAULT_THRESHOLDS"]
