@@ -247,7 +247,7 @@ def test_embed_gate_passes_a_matching_candidate_and_the_corpus_runs_with_it(tmp_
         assert metrics[f"gate_{role}_tokens_per_s"] > 0 and metrics[f"gate_{role}_usd_per_1m_tokens"] > 0
     assert pq.read_table(tmp_path / "out").num_rows == 120
     assert "tokenmill-gate" in asyncio.run(_artifact_keys())
-    # predicted before the gate ran (on the reference: no verdict yet), and held to the run on the candidate
+    # predicted before the gate ran (no verdict yet: the candidate cheapest at the defaults), held to the run
     assert metrics["predicted_wall_seconds"] > 0 and "wall_prediction_error" in metrics
 
 

@@ -78,7 +78,12 @@ def test_int8_is_calibrated_on_the_jobs_rows_made_once_and_stays_close_to_senten
     assert MIN_CALIBRATION_ROWS <= rows <= min(CALIBRATION_ROWS, 160)
     assert rows == min(CALIBRATION_ROWS, 160) or tokens <= CALIBRATION_TOKENS
     assert all(b["input_ids"].shape == b["attention_mask"].shape for b in batches)
+    from tokenmill.prediction import models_to_make
+
+    before = models_to_make(spec)  # the prediction's view: the int8 model for these calibration rows is not made yet
+    assert ("openvino", f"{MINILM}.int8-{int8_isa()}") in before
     engine = start_engine(path, spec)
+    assert models_to_make(spec) == []  # made now, as the prediction reads it
     folder = engine.model_file.parent
     assert folder.parent == models_home and folder.name.startswith(f"{MINILM}.int8-{int8_isa()}.")
     made = (folder / "made.json").read_text()

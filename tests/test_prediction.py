@@ -306,12 +306,26 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
     from tokenmill.gate import CandidateVerdict, GateReport, ModelCost, chosen_model
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))  # no model made here yet
     spec = _gated_job(tmp_path)
     first = prediction.predict_job(spec)
-    assert first.engine == "transformers"  # the reference: no verdict yet
+    # no verdict yet: the candidate the gate picks if it passes, the cheaper at the default rates (int8), and what
+    # the reference would take instead
+    assert first.engine == "onnxruntime"
     part = first.part("eval gate")
     assert part.is_default and "2 models each at its engine's default start and rate" in part.source
-    assert "the corpus on all-MiniLM-L6-v2 (transformers), the reference" in part.source
+    assert "the corpus on all-MiniLM-L6-v2 (onnxruntime), the cheapest candidate at the engines' default rates" \
+        in part.source and re.search(r"if none passes, the reference runs the corpus: \+[\d,]+ s", part.source)
+    assert "kept open from the gate" in first.part("engine start").source
+    # a gate that lets no candidate save enough at the default rates: the reference
+    strict = spec.model_copy(update={"gate": spec.gate.model_copy(update={"min_saving": 0.9})})
+    assert prediction.predict_job(strict).engine == "transformers"
+    assert "(transformers), the reference, as the gate runs it" in prediction.predict_job(strict).part("eval gate").source
+    # the candidate's ONNX export and int8 copy are made in the gate, once per machine
+    assert re.search(r"\+ [\d.]+ s making the models not made here yet: onnx all-MiniLM-L6-v2\.fp32 [\d.]+ s \(default: "
+                     r"never made here.*; onnx all-MiniLM-L6-v2\.int8-[a-z-]+ [\d.]+ s", part.source), part.source
+    # the gate computes its 16 sample rows (the corpus's own) and keeps them in the row cache: not computed again
+    assert first.rows == 40 - 16 and "the gate's 16 sample rows" in first.part("engine").source
     assert "+ engine start 0.0 s" in first.part("orchestration start").source  # no engine starts beside the API
 
     texts, source = gate.sample_texts(spec)
@@ -333,7 +347,8 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
     prediction.remember_parts({prediction.gate_key(spec): {prediction.GATE_BESIDES: 30.0}})
     part = prediction.predict_job(spec).part("eval gate")
     sample_tokens = float(re.search(r"for ~([\d,]+) sample tokens", part.source).group(1).replace(",", ""))
-    assert part.seconds == pytest.approx(30.0 + sample_tokens / 1000.0 + sample_tokens / 4000.0, rel=0.01)
+    making = float(re.search(r"\+ ([\d.]+) s making", part.source).group(1))
+    assert part.seconds == pytest.approx(30.0 + sample_tokens / 1000.0 + sample_tokens / 4000.0 + making, rel=0.01)
     # a verdict of another gate (other thresholds) is not this gate's
     other = spec.model_copy(update={"gate": spec.gate.model_copy(update={"thresholds": {"cosine_mean": 0.999}})})
     assert gate.judge_key(other) != gate.judge_key(spec) and gate.last_verdict_elsewhere(other) is None
@@ -341,6 +356,7 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
     gate._write_verdict(gate.verdict_key(spec, texts), verdict, gate.judge_key(spec))
     kept = prediction.predict_job(spec)
     assert kept.engine == "onnxruntime" and kept.part("engine start").seconds > 0  # a kept verdict starts no engine
+    assert kept.rows == 40  # no gate sample computed this time: every row is the corpus run's
     assert "verdict on this sample kept (candidate)" in kept.part("eval gate").source
     assert "(its gate's sample)" in kept.part("engine").source
     # the run is held to this prediction: the flow asks for it with the model the gate picked
@@ -391,7 +407,54 @@ def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(t
     assert parts[prediction.engine_key(ran, "transformers")] == {"engine start": pytest.approx(0.5)}
     fixed = parts[prediction.fixed_key(ran, "transformers")]
     assert fixed[prediction.OVERHEAD] == pytest.approx(overhead - 0.5 / 40 * 1000)
+    # a model made once per machine inside the gate, or inside the engine's start: not stored as either's seconds
+    monkeypatch.setattr("tokenmill.onnx_models.MADE_SECONDS", [4.0, 1.0])
+    parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False,
+                                      gate_samples=6.0)
+    assert parts[prediction.gate_key(ran)] == {"gate": pytest.approx(15.0), prediction.GATE_BESIDES: pytest.approx(9.0)}
+    assert parts[prediction.engine_key(ran, "transformers")] == {"engine start": pytest.approx(0.5)}
+    ungated = spec.model_copy(update={"gate": None, "model": spec.gate.candidates[0]})
+    marks.pop("gate_start")
+    marks.update(engine_start=t0 + 20, engine_ready=t0 + 27.5)
+    parts = prediction.measured_parts(ungated, "onnxruntime", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40,
+                                      False)
+    assert parts[prediction.engine_key(ungated, "onnxruntime")] == {"engine start": pytest.approx(2.5)}
+    monkeypatch.setattr("tokenmill.onnx_models.MADE_SECONDS", [])
+    marks.update(gate_start=t0 + 8, engine_start=t0 + 29.2, engine_ready=t0 + 29.7)
     marks.pop("gate_measured")
     marks["gate_verdict_kept"] = t0 + 8.5
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False)
     assert parts[prediction.gate_key(ran)] == {"gate, verdict kept": pytest.approx(0.5)}
+
+
+def test_a_model_not_made_here_yet_is_predicted_with_its_making(tmp_path, monkeypatch):
+    """ONNX Runtime and OpenVINO run models tokenmill makes once per machine (the export, a quantized copy):
+    the engine's start is predicted with the making of those not made here yet, at the seconds a model of the
+    same name took here before (its made.json), else a stated default; none once they are made."""
+    from tokenmill import prediction
+    from tokenmill.models import resolve_model
+    from tokenmill.onnx_models import made_seconds, onnx_model
+    from tokenmill.spec import JobSpec
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
+    (tmp_path / "in").mkdir()
+    write_parquet(tmp_path / "in" / "docs.parquet", ["a", "b"], TEXTS[:2])
+    spec = JobSpec.model_validate({"input": str(tmp_path / "in"), "output": str(tmp_path / "out"), "mode": "embed",
+                                   "model": {"name": "all-MiniLM-L6-v2", "engine": "onnxruntime",
+                                             "quantization": "int8"}})
+    to_make = prediction.models_to_make(spec)
+    assert [kind for kind, _ in to_make] == ["onnx", "onnx"] and to_make[0][1] == "all-MiniLM-L6-v2.fp32"
+    start = prediction.predict_job(spec).part("engine start")
+    assert "making onnx all-MiniLM-L6-v2.fp32" in start.source and "(default: never made here" in start.source
+
+    path = resolve_model(spec.model_name)
+    onnx_model(path, None, spec.model_name)  # the export, made for real
+    assert prediction.models_to_make(spec) == to_make[1:]
+    assert len(made_seconds("onnx", to_make[0][1])) == 1
+    onnx_model(path, "int8", spec.model_name)
+    assert prediction.models_to_make(spec) == []
+    assert "making" not in prediction.predict_job(spec).part("engine start").source
+    # another model of a made name (here: another quantization recipe's digest) is predicted at its seconds here
+    seconds, says = prediction.making_part([to_make[1]])
+    assert seconds == pytest.approx(made_seconds("onnx", to_make[1][1])[0]) and "made here before, median of 1" in says

@@ -83,14 +83,25 @@ def onnx_model(model_path: str, quantization: str | None = None, label: str | No
     if not (source / "config.json").exists():
         raise ConfigError(f"{model_path}: the ONNX Runtime engine exports a local Hugging Face model directory "
                           "(config.json and weights); this is not one")
-    identity = {"weights": weights_digest(str(source)), "opset": OPSET,
-                "versions": library_versions(("torch", "transformers", "onnxruntime"))}
-    exported = _cached(f"{label}.fp32", identity, lambda target: _export(source, target))
+    (fp32, identity), *quantized = onnx_steps(model_path, quantization, label)
+    exported = _cached(fp32, identity, lambda target: _export(source, target))
     if quantization is None:
         return exported
-    how = recipe(quantization)
-    return _cached(f"{label}.{quantization}-{how.get('isa', 'any')}", {**identity, "recipe": how},
-                   lambda target: _quantize(exported, target, how))
+    name, quantized_identity = quantized[0]
+    return _cached(name, quantized_identity, lambda target: _quantize(exported, target, quantized_identity["recipe"]))
+
+
+def onnx_steps(model_path: str, quantization: str | None = None, label: str | None = None) -> list[tuple[str, dict]]:
+    """The (name, identity) of each model onnx_model makes, in order: the float32 export, then its quantized
+    copy (tokenmill.prediction reads which are made, without making them)."""
+    label = (label or Path(model_path).name).replace("/", "--")
+    identity = {"weights": weights_digest(str(model_path)), "opset": OPSET,
+                "versions": library_versions(("torch", "transformers", "onnxruntime"))}
+    steps = [(f"{label}.fp32", identity)]
+    if quantization is not None:
+        how = recipe(quantization)
+        steps.append((f"{label}.{quantization}-{how.get('isa', 'any')}", {**identity, "recipe": how}))
+    return steps
 
 
 @functools.lru_cache(maxsize=16)
@@ -112,10 +123,31 @@ def _cached(name: str, identity: dict, make) -> Path:
     return cached_model("onnx", name, identity, make, "model.onnx")
 
 
+# The seconds each model this process made took (tokenmill.prediction: a gate's or an engine start's making of
+# a model, once per machine, is kept apart from the seconds it measures for the next run).
+MADE_SECONDS: list[float] = []
+
+
+def model_folder(kind: str, name: str, identity: dict) -> Path:
+    return models_home() / kind / f"{name}.{stable_digest(identity, 12)}"
+
+
+def made_seconds(kind: str, name: str) -> list[float]:
+    """What making this model took here before, in any of its versions (its other identities: other
+    weights, libraries or calibration rows): the seconds in each made folder's made.json."""
+    out = []
+    for made in sorted((models_home() / kind).glob(f"{name}.*/made.json")):
+        try:
+            out.append(float(json.loads(made.read_text())["seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
 def cached_model(kind: str, name: str, identity: dict, make, file_name: str) -> Path:
     """models_home()/kind/<name>.<digest of identity>/file_name, made by make(staging path) when missing
     (in a staging folder, renamed whole: a reader sees no folder or a finished one)."""
-    folder = models_home() / kind / f"{name}.{stable_digest(identity, 12)}"
+    folder = model_folder(kind, name, identity)
     model_file = folder / file_name
     if model_file.exists():
         return model_file
@@ -130,7 +162,8 @@ def cached_model(kind: str, name: str, identity: dict, make, file_name: str) -> 
         staging.rename(folder)
     except OSError:  # another process made it first: theirs is as good
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("Made %s in %.1f s (once per machine)", folder, time.perf_counter() - started)
+    MADE_SECONDS.append(time.perf_counter() - started)
+    log.info("Made %s in %.1f s (once per machine)", folder, MADE_SECONDS[-1])
     return model_file
 
 

@@ -56,14 +56,20 @@ def openvino_model(model_path: str, quantization: str | None, label: str | None,
     exported = onnx_model(model_path, None, label)
     if quantization is None:
         return exported
-    how = recipe(quantization)
     if not calibration:
         raise ConfigError(f"OpenVINO {quantization}: static quantization needs calibration rows, and none were given")
+    name, identity = openvino_step(exported, model_path, quantization, label, calibration_digest, len(calibration))
+    return cached_model("openvino", name, identity, lambda target: _quantize(exported, target, calibration),
+                        "model.xml")
+
+
+def openvino_step(exported: Path, model_path: str, quantization: str, label: str | None, calibration_digest: str,
+                  calibration_batches: int) -> tuple[str, dict]:
+    """The (name, identity) of the int8 model openvino_model makes from the float32 export `exported`."""
     label = (label or Path(model_path).name).replace("/", "--")
-    identity = {"source": exported.parent.name, "recipe": how, "calibration": calibration_digest,
-                "calibration_batches": len(calibration)}
-    return cached_model("openvino", f"{label}.{quantization}-{how['isa']}", identity,
-                        lambda target: _quantize(exported, target, calibration), "model.xml")
+    identity = {"source": exported.parent.name, "recipe": recipe(quantization), "calibration": calibration_digest,
+                "calibration_batches": calibration_batches}
+    return f"{label}.{quantization}-{identity['recipe']['isa']}", identity
 
 
 def _quantize(exported: Path, target: Path, calibration: Sequence[dict[str, np.ndarray]]) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -57,7 +58,8 @@ from tokenmill.engine_choice import (
     trials_cached,
 )
 from tokenmill.digest import stable_digest
-from tokenmill.gate import GateReport, candidate_models, chosen_model, known_verdict, last_verdict_elsewhere
+from tokenmill.gate import (COST_TIE_MARGIN, GateReport, candidate_models, chosen_model, known_verdict,
+                            last_verdict_elsewhere)
 from tokenmill.models import resolve_model
 from tokenmill.outputs import MANIFEST, OutputStore
 from tokenmill.planning import row_cache_share, rows_per_shard
@@ -73,8 +75,11 @@ from tokenmill.spec import JobSpec
 # 0.2-0.3 s); on a loaded one the API takes 10-15 s. A GPU host's differ: there they are guesses.
 DEFAULT_SECONDS = {
     "python imports": 2.0, "orchestrator API": 3.5, "main thread": 3.0, "flow start": 0.3,
-    "shard overhead per 1,000 rows": 1.0, "index build per 1,000 rows": 1.0, "finish": 0.1,
+    "shard overhead per 1,000 rows": 0.6, "index build per 1,000 rows": 1.0, "finish": 0.1,
 }
+# The shard overhead's default is per 1,000 rows of ~256 tokens (length class 8), in proportion to the rows'
+# length: a host of speed ~2.2 measured 1.4-1.5 s per 1,000 rows of ~255 tokens, 0.25-0.3 of ~55-64, 0.0-0.1 of ~19.
+OVERHEAD_DEFAULT_LENGTH = 8
 # Parts of the process around the engine, the same whichever engine runs: a device and mode's runs on one
 # engine stand for another never measured. Not the exit, which holds the engine's own shutdown.
 # The main thread's work measured in a run that paid for trials (less the trials and its wait for the API):
@@ -102,6 +107,13 @@ DEFAULT_ENGINE_START = {("vllm", "embed"): 35.0, ("vllm", "generate"): 85.0, ("o
 DEFAULT_ENGINE_EXIT = {"vllm": 3.5, "transformers": 1.0, "onnxruntime": 0.7, "openvino": 0.7}
 DEFAULT_TOKENS_PER_S = {("vllm", "generate"): 700.0, ("transformers", "generate"): 170.0}
 DEFAULT_TOKENS_PER_S_BY_MODE = {"embed": 7_000.0, "generate": 170.0}
+# A quantized embedding model's default rate, as a multiple of its engine's: a CPU with AVX2 and no VNNI
+# (bench/PREDICTION.md's host, machine speed ~2.2) measured MiniLM on 256-row gate samples at 6,760-7,520 tokens/s
+# with ONNX Runtime's dynamic int8, 3,540-3,700 with OpenVINO's static int8 (slower than its float32's 4,400-4,440:
+# without VNNI its int8 products are emulated), transformers' float32 4,400-4,700. With VNNI never measured here:
+# ONNX Runtime's figure for both (stated, a guess).
+DEFAULT_QUANTIZED_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
+                             ("onnxruntime", "int8", "vnni"): 1.6, ("openvino", "int8", "vnni"): 1.6}
 DEFAULT_WINNER = {"embed": "transformers", "generate": "vllm"}  # auto's usual choice on a CPU, without trials
 DISTINCT_ROWS_READ = 1_000_000  # rows read to count identical inputs; beyond them, the share counted so far
 KEEP_LAST = 5
@@ -111,6 +123,7 @@ KEEP_LAST = 5
 GATE_BESIDES_SECONDS = 1.0
 GATE_VERDICT_KEPT_SECONDS = 0.5
 GATE_MEASURED, GATE_KEPT, GATE_BESIDES = "gate", "gate, verdict kept", "gate besides the models' samples"
+COMPUTE = "default rate over measured"  # per mode, under machine_key(): see compute_speed
 # A shard overhead is scaled from a measured length class at most this many classes (x2 each) away: part of
 # it is per row, not per token, and a factor of 4 is as far as the runs here bear it out.
 MAX_LENGTH_CLASSES_SCALED = 2
@@ -177,9 +190,10 @@ class JobSample(BaseModel):
     distinct: float = 1.0
     distinct_source: str = ""
     rows_read: int = 0
+    gate_kept: int = 0  # a gated embedding job: the gate's sample rows it computes and keeps in the row cache
 
     def rows_to_compute(self, collapsed: bool) -> int:
-        return round(self.rows * (self.distinct if collapsed else 1.0))
+        return max(round(self.rows * (self.distinct if collapsed else 1.0)) - self.gate_kept, 0)
 
 
 # ---- the parts cache -------------------------------------------------------------------------------
@@ -296,8 +310,21 @@ def default_start_here(engine: str, mode: str) -> float:
     return default_start(engine, mode) * machine_speed()[0]
 
 
-def default_rate_here(engine: str, mode: str) -> float:
-    return default_rate(engine, mode) / machine_speed()[0]
+def default_rate_here(engine: str, mode: str, quantization: str | None = None) -> float:
+    return default_rate(engine, mode, quantization) / compute_speed(mode)[0]
+
+
+def compute_speed(mode: str) -> tuple[float, str]:
+    """How much slower than their defaults engines compute on this machine: the median, over the last runs
+    here of this mode (any engine, any job), of an engine's default rate over the rate the run measured.
+    Before any run: machine_speed, the imports' figure (which overstates it: a 2-core host whose imports took
+    2.2x the defaults' ran MiniLM at 1/1.5-1/1.6 of their rates on transformers, OpenVINO and ONNX Runtime alike)."""
+    measured = read_parts().get(machine_key(), {}).get(f"{COMPUTE}@{mode}") or []
+    if not measured:
+        return machine_speed()
+    factor = min(max(statistics.median(measured), 0.25), 8.0)
+    return factor, (f" / {factor:.2f} (this machine's compute: engines ran at 1/{factor:.2f} of their default rates, "
+                    f"the median of {len(measured)} runs here)")
 
 
 def stored(parts: dict[str, Any], key: str, name: str, default: float | None) -> tuple[float | None, str]:
@@ -339,8 +366,13 @@ def rate_at(points: list[tuple[float, float]], length: float) -> float:
     return points[-1][1]
 
 
-def default_rate(engine: str, mode: str) -> float:
-    return DEFAULT_TOKENS_PER_S.get((engine, mode), DEFAULT_TOKENS_PER_S_BY_MODE[mode])
+def default_rate(engine: str, mode: str, quantization: str | None = None) -> float:
+    rate = DEFAULT_TOKENS_PER_S.get((engine, mode), DEFAULT_TOKENS_PER_S_BY_MODE[mode])
+    if quantization and mode == "embed":
+        from tokenmill.onnx_models import int8_isa
+
+        rate *= DEFAULT_QUANTIZED_SPEEDUP.get((engine, quantization, int8_isa()), 1.0)
+    return rate
 
 
 def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
@@ -356,14 +388,19 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
     row_share = sample.rows_to_compute(collapsed) / len(lengths)
     tokens = row_share * sum(n + out_per_row for n in lengths)
     repeats = f"; {sample.distinct_source}" if collapsed else ""
+    if sample.gate_kept:
+        repeats += (f"; the gate's {sample.gate_kept:,} sample rows (the corpus's own) computed in the gate and "
+                    "kept in the row cache")
     # parts None: the trials' rates alone, as auto weighs the engines (predicted_engine)
     by_calls = calls_part(spec, engine, sample, trials, collapsed, tokens, repeats) if parts is not None else None
     if by_calls is not None:
         return by_calls, tokens
     if not points:
-        rate = default_rate_here(engine, spec.mode)
+        quantization = spec.model.quantization
+        rate = default_rate_here(engine, spec.mode, quantization)
         return Part(name="engine", seconds=tokens / rate, source=f"default: {engine} never measured here for "
-                    f"this job, {rate:,.0f} tokens/s ({default_rate(engine, spec.mode):,.0f}{machine_speed()[1]})"
+                    f"this job, {rate:,.0f} tokens/s ({default_rate(engine, spec.mode, quantization):,.0f}"
+                    f"{f' ({quantization})' if quantization else ''}{compute_speed(spec.mode)[1]})"
                     f"{repeats}"), tokens
     curve = [(mean + out_per_row, rate) for mean, rate, _ in points]
     seconds = row_share * sum((n + out_per_row) / rate_at(curve, n + out_per_row) for n in lengths)
@@ -558,17 +595,22 @@ def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int) -> Pa
             runs = len(parts[key][f"{OVERHEAD}@{nearest[0]}"])
             source = (f"measured here at {' and '.join(f'~{2 ** at} tokens a row' for at in nearest)} "
                       f"(median of {runs} run{'s' if runs > 1 else ''}), x the rows' length (~{2 ** length} tokens)")
-        else:
-            seconds, source = stored(parts, key, OVERHEAD, DEFAULT_SECONDS[OVERHEAD])
+        else:  # the default is at OVERHEAD_DEFAULT_LENGTH, in proportion to the rows' length
+            scale = 2.0 ** (length - OVERHEAD_DEFAULT_LENGTH)
+            seconds, source = stored(parts, key, OVERHEAD, DEFAULT_SECONDS[OVERHEAD] * scale)
+            if source.startswith("default"):
+                source += (f" ({DEFAULT_SECONDS[OVERHEAD]:g} s at ~{2 ** OVERHEAD_DEFAULT_LENGTH} tokens a row, "
+                           f"x{scale:g} for the rows' length, ~{2 ** length} tokens)")
     return Part(name="shard overhead", seconds=seconds * rows / 1000, source=f"{seconds:.2f} s per 1,000 rows, {source}")
 
 
 def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, early_start: bool = True,
-            gate_rate: tuple[float, float, str] | None = None) -> Prediction:
+            gate_rate: tuple[float, float, str] | None = None, gate_makes: bool = False) -> Prediction:
     """The whole process's seconds in parts (see the module's docstring); reads nothing but this job's
     sample, this job's trials (`trials`) and the parts measured here for its engine (`parts`).
     early_start: the engine starts beside the API's start (tasks/warm.py), not after it (a gated job's);
-    gate_rate: the model's rate on a gate's sample here, (mean tokens a row, tokens/s, where), where one was kept."""
+    gate_rate: the model's rate on a gate's sample here, (mean tokens a row, tokens/s, where), where one was kept;
+    gate_makes: a gate before the corpus makes the models its engine runs (engine_start_part)."""
     engine, why = predicted_engine(spec, sample, trials)
     fixed = fixed_key(spec, engine)
     able = runnable_engines(spec)[0]
@@ -576,7 +618,7 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
     if trial_runs and engine == trial_order(able)[-1]:
         start = Part(name="engine start", seconds=0.0, source=f"{engine}: kept open from its trial")
     else:
-        start = engine_start_part(spec, engine, sample, parts, trials)
+        start = engine_start_part(spec, engine, sample, parts, trials, gate_makes)
     out = [Part(name="python imports", **_seconds(parts, fixed, "python imports")),
            orchestration_part(parts, fixed, 0.0 if trial_runs or not early_start else start.seconds)]
     if trial_runs:
@@ -692,12 +734,72 @@ def trial_tokens(spec: JobSpec, lengths: list[int], engine: str) -> float:
     return sum(n + out for n in lengths[-warm:]) + passes * sum(n + out for n in timed)
 
 
-def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict[str, Any], trials) -> Part:
-    """The engine's start as runs here waited for it; before any run, as its trial measured it."""
+def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict[str, Any], trials,
+                      gate_makes: bool = False) -> Part:
+    """The engine's start as runs here waited for it; before any run, as its trial measured it; and the
+    models it makes first (ONNX Runtime's and OpenVINO's, once per machine), unless a gate before it makes them."""
     seconds, source = stored(parts, engine_key(spec, engine), "engine start", default_start(engine, spec.mode))
     if source.startswith("default") and any(t.engine == engine for _, t in trials):
         seconds, source = trial_start(spec, engine, sample, trials), "its trial's start, no run here yet"
+    making, made = (0.0, "") if gate_makes else making_part(models_to_make(spec))
+    if making:
+        seconds, source = seconds + making, f"{source}; + {making:.1f} s making {made}"
     return Part(name="engine start", seconds=seconds, source=f"{engine}: {source}")
+
+
+# Making a model ONNX Runtime or OpenVINO runs (tokenmill.onnx_models, tokenmill.openvino_models: once per machine;
+# OpenVINO's int8 once per corpus, calibrated on its rows), where none of its kind was made here: seconds on the
+# reference machine, x machine_speed. A 2-core AMD EPYC of speed ~2.2 (bench/PREDICTION.md's host) made the ONNX
+# export of MiniLM in 1.6-1.9 s, its ONNX Runtime int8 in 4.0-5.1 s, OpenVINO's int8 (NNCF, ~16k calibration
+# tokens) in 20-28 s. Where one was made here before (another version: other weights, libraries or corpus),
+# its median seconds.
+DEFAULT_MAKE_SECONDS = {"onnx fp32": 0.8, "onnx quantized": 2.0, "openvino quantized": 11.0}
+
+
+def models_to_make(spec: JobSpec) -> list[tuple[str, str]]:
+    """(kind, name) of each model the job's engine makes before it starts (an ONNX export, a quantized copy)
+    that is not made here yet; [] for engines that make none, or where it cannot be told (the run says why)."""
+    engine, quantization = spec.model.engine, spec.model.quantization
+    if engine not in ("onnxruntime", "openvino") or spec.mode != "embed":
+        return []
+    from tokenmill.onnx_models import model_folder, onnx_steps
+
+    try:
+        model_path = resolve_model(spec.model_name)
+        steps = onnx_steps(model_path, quantization if engine == "onnxruntime" else None, spec.model_name)
+        out = [("onnx", name) for name, identity in steps
+               if not (model_folder("onnx", name, identity) / "model.onnx").exists()]
+        if engine == "openvino" and quantization:
+            from tokenmill.openvino_engine import calibration
+            from tokenmill.openvino_models import openvino_step
+
+            batches, digest = calibration(spec, model_path)
+            exported = model_folder("onnx", *steps[0]) / "model.onnx"
+            name, identity = openvino_step(exported, model_path, quantization, spec.model_name, digest, len(batches))
+            if not (model_folder("openvino", name, identity) / "model.xml").exists():
+                out.append(("openvino", name))
+    except Exception:  # noqa: BLE001 - a model that cannot be located here: its engine's start reports why
+        return []
+    return out
+
+
+def making_part(models: list[tuple[str, str]]) -> tuple[float, str]:
+    """The seconds making these models takes here, and what each is from."""
+    from tokenmill.onnx_models import made_seconds
+
+    seconds, says = 0.0, []
+    factor, speed = machine_speed()
+    for kind, name in models:
+        before = made_seconds(kind, name)
+        if before:
+            each = statistics.median(before)
+            says.append(f"{kind} {name} {each:.1f} s (made here before, median of {len(before)})")
+        else:
+            default = DEFAULT_MAKE_SECONDS[f"{kind} {'fp32' if name.endswith('.fp32') else 'quantized'}"]
+            each = default * factor
+            says.append(f"{kind} {name} {each:.1f} s (default: never made here, {default:g} s{speed})")
+        seconds += each
+    return seconds, "; ".join(says)
 
 
 _made: dict[str, Prediction] = {}  # per job, for this process: the prediction its run is held to
@@ -725,20 +827,57 @@ def predict_gated(spec: JobSpec) -> Prediction:
     verdict = known_verdict(spec)
     elsewhere = last_verdict_elsewhere(spec) if verdict is None else None
     picks = verdict or elsewhere
-    model = chosen_model(spec, picks) if picks is not None else spec.gate.reference
+    assumed = default_pick(spec) if picks is None else None
+    model = chosen_model(spec, picks) if picks is not None else assumed or spec.gate.reference
     corpus = spec.model_copy(update={"model": model})
     parts = read_parts()
     sample = job_sample(corpus)
+    if verdict is None:
+        sample = sample.model_copy(update={"gate_kept": gate_kept_rows(spec, corpus, sample)})
     rate = kept_rate(picks, "its gate's sample" if verdict is not None else "this gate's sample of another corpus")
-    out = predict(corpus, sample, parts, engine_trials(corpus), early_start=False, gate_rate=rate)
+    out = predict(corpus, sample, parts, engine_trials(corpus), early_start=False, gate_rate=rate,
+                  gate_makes=verdict is None)
     gate = gate_part(spec, corpus, verdict, elsewhere, sample, parts)
+    if assumed is not None:  # what the corpus would take on the reference, should no candidate pass
+        on_reference = predict(spec.model_copy(update={"model": spec.gate.reference}), sample, parts, [],
+                               early_start=False, gate_makes=True)
+        gate = gate.model_copy(update={"source": gate.source + (
+            f" (if none passes, the reference runs the corpus: {on_reference.seconds - out.seconds:+,.0f} s)")})
     rest = out.parts[2:]
-    if verdict is None and picks is not None and picks.action == "candidate" \
-            and picks.chosen == len(candidate_models(spec)) - 1:  # gate.measure leaves its last model's engine open
+    last = len(candidate_models(spec)) - 1
+    if verdict is None and ((picks is not None and picks.action == "candidate" and picks.chosen == last) or (
+            assumed is not None and candidate_models(spec).index(assumed) == last)):  # gate.measure leaves its last model's engine open
         rest = [Part(name="engine start", seconds=0.0, source=f"{model.engine}: kept open from the gate, its last "
                      "model") if p.name == "engine start" else p for p in rest]
     _gate_keys[_job_key(spec)] = gate_key(spec)
     return out.model_copy(update={"parts": [*out.parts[:2], gate, *rest]})
+
+
+def default_pick(spec: JobSpec) -> Any:
+    """Before this gate's first verdict here: the candidate it picks if every candidate passes, by $/1M at the
+    engines' default rates (tokenmill.gate.GateReport.judge: the cheapest that saves gate.min_saving, the first
+    listed within COST_TIE_MARGIN of it); None where none saves that much at them (the reference runs)."""
+    gate = spec.gate
+
+    def cost(model) -> float:
+        return 1.0 / default_rate(model.engine, spec.mode, model.quantization)
+
+    reference, candidates = cost(gate.reference), [cost(m) for m in candidate_models(spec)]
+    enough = [i for i, c in enumerate(candidates) if gate.min_saving is None or 1 - c / reference >= gate.min_saving]
+    if not enough:
+        return None
+    cheapest = min(candidates[i] for i in enough)
+    return candidate_models(spec)[next(i for i in enough if candidates[i] <= cheapest * (1 + COST_TIE_MARGIN))]
+
+
+def gate_kept_rows(spec: JobSpec, corpus: JobSpec, sample: JobSample) -> int:
+    """The corpus rows a gate that measures computes and keeps in the row cache for the corpus run
+    (tokenmill.gate.run_sample: an embedding gate whose sample is the corpus's own rows, every model's rows
+    kept, so the pick's are there whichever it is): the sample's rows, as many as the corpus has to compute."""
+    if (spec.mode != "embed" or spec.gate.eval_file is not None or not corpus.cache.enabled
+            or bypass_reason(corpus, corpus.model.engine) is not None or sample.finished_shards):
+        return 0
+    return min(spec.gate.sample_rows, sample.rows_to_compute(collapses(corpus, corpus.model.engine, sample)))
 
 
 def kept_rate(verdict: GateReport | None, where: str) -> tuple[float, float, str] | None:
@@ -773,25 +912,30 @@ def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, elsewh
     why = (f"no verdict here on this sample yet: {ran_on}, " + (
         f"as this gate's last verdict here (another corpus) picked ({elsewhere.action})" if elsewhere is not None
         else "the reference, as the gate runs it when no candidate passes and saves gate.min_saving (one that "
-             "does runs the corpus in less)"))
+             "does runs the corpus in less)" if corpus.model == spec.gate.reference
+        else "the cheapest candidate at the engines' default rates, as the gate picks it if it passes"))
     corpus_rows = sample.rows_read if not sample.finished_shards else spec.gate.sample_rows  # a re-run: still sampled
     tokens = statistics.fmean(sample.lengths or [1]) * min(spec.gate.sample_rows, max(corpus_rows, 1))
+    models = [spec.gate.reference, *candidate_models(spec)]
+    making, made = making_part(list(dict.fromkeys(
+        m for model in models for m in models_to_make(spec.model_copy(update={"model": model})))))
+    if making:
+        why += f"; + {making:.1f} s making the models not made here yet: {made}"
     besides, source = stored(parts, key, GATE_BESIDES, None)
     if besides is not None and elsewhere is not None:
         samples = gate_samples_seconds(elsewhere, tokens)
-        return Part(name="eval gate", seconds=besides + samples, source=(
+        return Part(name="eval gate", seconds=besides + samples + making, source=(
             f"{besides:.1f} s besides the models' samples ({source}) + {samples:.1f} s for ~{tokens:,.0f} sample "
             f"tokens at each model's rate in its last verdict here; {why}"))
     seconds, source = stored(parts, key, GATE_MEASURED, None)
     if seconds is not None:
-        return Part(name="eval gate", seconds=seconds, source=f"{source}; {why}")
-    models = [spec.gate.reference, *candidate_models(spec)]
-    each = [default_start_here(m.engine, spec.mode) + tokens / default_rate_here(m.engine, spec.mode) for m in models]
+        return Part(name="eval gate", seconds=seconds + making, source=f"{source}; {why}")
+    each = [default_start_here(m.engine, spec.mode) + tokens / default_rate_here(m.engine, spec.mode, m.quantization)
+            for m in models]
     factor, speed = machine_speed()
-    return Part(name="eval gate", seconds=sum(each) + GATE_BESIDES_SECONDS * factor, source=(
+    return Part(name="eval gate", seconds=sum(each) + GATE_BESIDES_SECONDS * factor + making, source=(
         f"default: never measured here, {len(models)} models each at its engine's default start and rate on "
-        f"~{tokens:,.0f} sample tokens, + {GATE_BESIDES_SECONDS:g} s{speed} (a quantized model made the first "
-        f"time not counted); {why}"))
+        f"~{tokens:,.0f} sample tokens, + {GATE_BESIDES_SECONDS:g} s{speed}; {why}"))
 
 
 def made_for(spec: JobSpec) -> Prediction | None:
@@ -833,6 +977,7 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     index = _span(marks, "index_start", "index_done")
     kept = "gate_verdict_kept" in marks  # an eval gate ran in the flow's start (flows/batch.py): its own part
     gate = _span(marks, "gate_start", "gate_verdict_kept" if kept else "gate_measured")
+    made = _made_seconds()  # models made once per machine: in the gate's or the engine start's span, not again
     fixed: dict[str, float] = {
         "python imports": _span(marks, "process", "cli_ready"),
         "orchestrator API": _span(marks, "api_start", "api_ready"),
@@ -855,8 +1000,9 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     out = {fixed_key(spec, engine): fixed}
     if gate:
         key = _gate_keys.get(_job_key(spec)) or gate_key(spec)
+        gate, made = max(gate - made, 0.0), 0.0
         out[key] = {GATE_KEPT: gate} if kept else {GATE_MEASURED: gate}
-        if not kept and gate_samples is not None:  # the models' starts, a quantized model's making, the metrics
+        if not kept and gate_samples is not None:  # the models' starts, the metrics
             out[key][GATE_BESIDES] = gate - gate_samples
     imports = command_imports()
     if imports is not None:  # the machine's speed (machine_speed): every run's command imports, any job
@@ -865,13 +1011,22 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         mean_in = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
         out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
                                         f"mean_tokens@{length_class(mean_in)}": mean_in}
+        out.setdefault(machine_key(), {})[f"{COMPUTE}@{spec.mode}"] = (
+            default_rate(engine, spec.mode, spec.model.quantization) / (engine_tokens / engine_seconds))
     if trials_ran:
         if trial_engine_seconds:  # what the trials cost besides the engines: the sample's reading, closing them
             kept = engine == trial_order(runnable_engines(spec)[0])[-1]
             out[trials_key(spec)] = {trial_overhead_name(kept): trials - trial_engine_seconds}
     elif early or "engine_start" in marks:
-        out[engine_key(spec, engine)] = {"engine start": early or _span(marks, "engine_start", "engine_ready")}
+        start = early or _span(marks, "engine_start", "engine_ready")
+        out[engine_key(spec, engine)] = {"engine start": max(start - made, 0.0)}
     return out
+
+
+def _made_seconds() -> float:
+    """What making models took in this process (tokenmill.onnx_models.MADE_SECONDS), if it made any."""
+    onnx_models = sys.modules.get("tokenmill.onnx_models")
+    return sum(onnx_models.MADE_SECONDS) if onnx_models is not None else 0.0
 
 
 def compare(prediction: Prediction, metrics: dict[str, float]) -> dict[str, float]:
