@@ -355,7 +355,7 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
 
     gate._write_verdict(gate.verdict_key(spec, texts), verdict, gate.judge_key(spec))
     kept = prediction.predict_job(spec)
-    assert kept.engine == "onnxruntime" and kept.part("engine start").seconds > 0  # a kept verdict starts no engine
+    assert kept.engine == "onnxruntime" and "kept open" not in kept.part("engine start").source  # the gate starts none
     assert kept.rows == 40  # no gate sample computed this time: every row is the corpus run's
     assert "verdict on this sample kept (candidate)" in kept.part("eval gate").source
     assert "(its gate's sample)" in kept.part("engine").source
@@ -408,7 +408,7 @@ def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(t
     fixed = parts[prediction.fixed_key(ran, "transformers")]
     assert fixed[prediction.OVERHEAD] == pytest.approx(overhead - 0.5 / 40 * 1000)
     # a model made once per machine inside the gate, or inside the engine's start: not stored as either's seconds
-    monkeypatch.setattr("tokenmill.onnx_models.MADE_SECONDS", [4.0, 1.0])
+    monkeypatch.setattr("tokenmill.onnx_models.MADE_SPANS", [(t0 + 10, t0 + 14), (t0 + 20, t0 + 21)])
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False,
                                       gate_samples=6.0)
     assert parts[prediction.gate_key(ran)] == {"gate": pytest.approx(15.0), prediction.GATE_BESIDES: pytest.approx(9.0)}
@@ -418,13 +418,15 @@ def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(t
     marks.update(engine_start=t0 + 20, engine_ready=t0 + 27.5)
     parts = prediction.measured_parts(ungated, "onnxruntime", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40,
                                       False)
-    assert parts[prediction.engine_key(ungated, "onnxruntime")] == {"engine start": pytest.approx(2.5)}
-    monkeypatch.setattr("tokenmill.onnx_models.MADE_SECONDS", [])
-    marks.update(gate_start=t0 + 8, engine_start=t0 + 29.2, engine_ready=t0 + 29.7)
+    assert parts[prediction.engine_key(ungated, "onnxruntime")] == {"engine start": pytest.approx(6.5)}
+    # a kept verdict starts no engine in the gate: a model made for the corpus is the engine start's, not the gate's
+    monkeypatch.setattr("tokenmill.onnx_models.MADE_SPANS", [(t0 + 29.5, t0 + 32.5)])
+    marks.update(gate_start=t0 + 8, engine_start=t0 + 29.2, engine_ready=t0 + 33.0)
     marks.pop("gate_measured")
     marks["gate_verdict_kept"] = t0 + 8.5
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False)
     assert parts[prediction.gate_key(ran)] == {"gate, verdict kept": pytest.approx(0.5)}
+    assert parts[prediction.engine_key(ran, "transformers")] == {"engine start": pytest.approx(0.8)}
 
 
 def test_a_model_not_made_here_yet_is_predicted_with_its_making(tmp_path, monkeypatch):
@@ -455,6 +457,11 @@ def test_a_model_not_made_here_yet_is_predicted_with_its_making(tmp_path, monkey
     onnx_model(path, "int8", spec.model_name)
     assert prediction.models_to_make(spec) == []
     assert "making" not in prediction.predict_job(spec).part("engine start").source
-    # another model of a made name (here: another quantization recipe's digest) is predicted at its seconds here
-    seconds, says = prediction.making_part([to_make[1]])
+    # the same model for other weights or libraries: not made here yet, predicted at what making its name took here
+    auto = spec.model_copy(update={"model": spec.model.model_copy(update={"engine": "auto"})})  # int8: ONNX Runtime's
+    assert prediction.engine_of(auto) == "onnxruntime" and prediction.models_to_make(auto) == []
+    monkeypatch.setattr("tokenmill.onnx_models.library_versions", lambda names: {"onnxruntime": "another"})
+    again = prediction.models_to_make(spec)
+    assert again == to_make
+    seconds, says = prediction.making_part(again[1:])
     assert seconds == pytest.approx(made_seconds("onnx", to_make[1][1])[0]) and "made here before, median of 1" in says

@@ -123,9 +123,9 @@ def _cached(name: str, identity: dict, make) -> Path:
     return cached_model("onnx", name, identity, make, "model.onnx")
 
 
-# The seconds each model this process made took (tokenmill.prediction: a gate's or an engine start's making of
-# a model, once per machine, is kept apart from the seconds it measures for the next run).
-MADE_SECONDS: list[float] = []
+# When this process made each model, (start, end) in wall-clock seconds (tokenmill.prediction: a gate's or an
+# engine start's making of a model, once per machine, is kept apart from the seconds it stores for the next run).
+MADE_SPANS: list[tuple[float, float]] = []
 
 
 def model_folder(kind: str, name: str, identity: dict) -> Path:
@@ -154,7 +154,7 @@ def cached_model(kind: str, name: str, identity: dict, make, file_name: str) -> 
     staging = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    started = time.perf_counter()
+    started, wall = time.perf_counter(), time.time()
     make(staging / file_name)
     (staging / "made.json").write_text(json.dumps({**identity, "seconds": time.perf_counter() - started},
                                                   indent=1, sort_keys=True))
@@ -162,8 +162,8 @@ def cached_model(kind: str, name: str, identity: dict, make, file_name: str) -> 
         staging.rename(folder)
     except OSError:  # another process made it first: theirs is as good
         shutil.rmtree(staging, ignore_errors=True)
-    MADE_SECONDS.append(time.perf_counter() - started)
-    log.info("Made %s in %.1f s (once per machine)", folder, MADE_SECONDS[-1])
+    MADE_SPANS.append((wall, time.time()))
+    log.info("Made %s in %.1f s (once per machine)", folder, time.perf_counter() - started)
     return model_file
 
 

@@ -22,8 +22,11 @@
   little). Nothing is a factor fitted to another job's wall time.
 - a part never measured here is named in the prediction as a default, with its value.
 - a job with an eval gate: the gate's seconds as gates of the same models and sample size measured here,
-  then the corpus on the model this machine's kept verdict on the job's sample picks, else on the reference
+  then the corpus on the model this machine's kept verdict on the job's sample picks, else the one the
+  gate's verdict on another corpus here picked, else the candidate cheapest at the default rates
   (predict_gated); the gate's seconds are not the flow's start, and its engines' starts not the corpus's.
+- models made once per machine (ONNX exports, quantized copies) where they are not made yet, at what
+  making one of that name took here (models_to_make); the runs store their parts without that making.
 
 `tokenmill plan`, `tokenmill calibrate` and `tokenmill run` all call `predict_job`, so one job
 gets one line. The run makes its prediction before it starts work (before any trial) and its
@@ -116,6 +119,8 @@ DEFAULT_TOKENS_PER_S_BY_MODE = {"embed": 7_000.0, "generate": 170.0}
 # ONNX Runtime's figure for both (stated, a guess).
 DEFAULT_QUANTIZED_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
                              ("onnxruntime", "int8", "vnni"): 1.6, ("openvino", "int8", "vnni"): 1.6}
+MEASURED_QUANTIZED = {("onnxruntime", "int8", "no-vnni"), ("openvino", "int8", "no-vnni")}
+LOCAL_ENGINES = ("vllm", "transformers", "onnxruntime", "openvino")  # the engines that compute on this machine
 DEFAULT_WINNER = {"embed": "transformers", "generate": "vllm"}  # auto's usual choice on a CPU, without trials
 DISTINCT_ROWS_READ = 1_000_000  # rows read to count identical inputs; beyond them, the share counted so far
 KEEP_LAST = 5
@@ -314,6 +319,18 @@ def default_start_here(engine: str, mode: str) -> float:
 
 def default_rate_here(engine: str, mode: str, quantization: str | None = None) -> float:
     return default_rate(engine, mode, quantization) / compute_speed(mode)[0]
+
+
+def measured_default(engine: str, mode: str, quantization: str | None) -> bool:
+    """Whether an engine's default rate is a measured figure a run here can be held to (compute_speed): not an
+    OpenAI-compatible server's (it computes elsewhere), nor a quantization's never measured (a guess)."""
+    if engine not in LOCAL_ENGINES:
+        return False
+    if not quantization:
+        return True
+    from tokenmill.onnx_models import int8_isa
+
+    return (engine, quantization, int8_isa()) in MEASURED_QUANTIZED
 
 
 def compute_speed(mode: str) -> tuple[float, str]:
@@ -758,10 +775,19 @@ def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict
 DEFAULT_MAKE_SECONDS = {"onnx fp32": 0.8, "onnx quantized": 2.0, "openvino quantized": 11.0}
 
 
+def engine_of(spec: JobSpec) -> str:
+    """The engine the job's model runs on: as written, or the one engine auto can run it on here (a quantization
+    only ONNX Runtime makes); auto otherwise."""
+    if spec.model.engine != "auto":
+        return spec.model.engine
+    able = runnable_engines(spec)[0]
+    return able[0] if len(able) == 1 else "auto"
+
+
 def models_to_make(spec: JobSpec) -> list[tuple[str, str]]:
     """(kind, name) of each model the job's engine makes before it starts (an ONNX export, a quantized copy)
     that is not made here yet; [] for engines that make none, or where it cannot be told (the run says why)."""
-    engine, quantization = spec.model.engine, spec.model.quantization
+    engine, quantization = engine_of(spec), spec.model.quantization
     if engine not in ("onnxruntime", "openvino") or spec.mode != "embed":
         return []
     from tokenmill.onnx_models import model_folder, onnx_steps
@@ -824,8 +850,9 @@ def predict_gated(spec: JobSpec) -> Prediction:
     the API (tasks/warm.py starts no engine before the gate). Where this machine kept a verdict on this job's
     sample and models, that verdict's model and a gate that starts no engine. Else the gate measures every
     model, and the corpus is predicted on the model this gate's last verdict here (on another corpus)
-    picked, and before any, on the reference: what the gate runs when no candidate passes or saves
-    gate.min_saving (the part says which)."""
+    picked, and before any, on the candidate it picks if it passes, the cheapest at the default rates
+    (default_pick; the reference where none saves gate.min_saving at them), with what the reference would
+    take instead (the part says which)."""
     verdict = known_verdict(spec)
     elsewhere = last_verdict_elsewhere(spec) if verdict is None else None
     picks = verdict or elsewhere
@@ -862,7 +889,7 @@ def default_pick(spec: JobSpec) -> Any:
     gate = spec.gate
 
     def cost(model) -> float:
-        return 1.0 / default_rate(model.engine, spec.mode, model.quantization)
+        return 1.0 / default_rate(engine_of(spec.model_copy(update={"model": model})), spec.mode, model.quantization)
 
     reference, candidates = cost(gate.reference), [cost(m) for m in candidate_models(spec)]
     enough = [i for i, c in enumerate(candidates) if gate.min_saving is None or 1 - c / reference >= gate.min_saving]
@@ -879,7 +906,8 @@ def gate_kept_rows(spec: JobSpec, corpus: JobSpec, sample: JobSample) -> int:
     if (spec.mode != "embed" or spec.gate.eval_file is not None or not corpus.cache.enabled
             or bypass_reason(corpus, corpus.model.engine) is not None or sample.finished_shards):
         return 0
-    return min(spec.gate.sample_rows, sample.rows_to_compute(collapses(corpus, corpus.model.engine, sample)))
+    kept = min(spec.gate.sample_rows, sample.rows_to_compute(collapses(corpus, corpus.model.engine, sample)))
+    return round(kept * (1.0 - sample.row_cache_share))  # rows the cache holds already: job_sample left them out
 
 
 def kept_rate(verdict: GateReport | None, where: str) -> tuple[float, float, str] | None:
@@ -932,8 +960,9 @@ def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, elsewh
     seconds, source = stored(parts, key, GATE_MEASURED, None)
     if seconds is not None:
         return Part(name="eval gate", seconds=seconds + making, source=f"{source}; {why}")
-    each = [default_start_here(m.engine, spec.mode) + tokens / default_rate_here(m.engine, spec.mode, m.quantization)
-            for m in models]
+    engines = [engine_of(spec.model_copy(update={"model": m})) for m in models]
+    each = [default_start_here(e, spec.mode) + tokens / default_rate_here(e, spec.mode, m.quantization)
+            for e, m in zip(engines, models)]
     factor, speed = machine_speed()
     return Part(name="eval gate", seconds=sum(each) + GATE_BESIDES_SECONDS * factor + making, source=(
         f"default: never measured here, {len(models)} models each at its engine's default start and rate on "
@@ -979,7 +1008,7 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     index = _span(marks, "index_start", "index_done")
     kept = "gate_verdict_kept" in marks  # an eval gate ran in the flow's start (flows/batch.py): its own part
     gate = _span(marks, "gate_start", "gate_verdict_kept" if kept else "gate_measured")
-    made = _made_seconds()  # models made once per machine: in the gate's or the engine start's span, not again
+    gate_end = "gate_verdict_kept" if kept else "gate_measured"
     fixed: dict[str, float] = {
         "python imports": _span(marks, "process", "cli_ready"),
         "orchestrator API": _span(marks, "api_start", "api_ready"),
@@ -1002,7 +1031,7 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     out = {fixed_key(spec, engine): fixed}
     if gate:
         key = _gate_keys.get(_job_key(spec)) or gate_key(spec)
-        gate, made = max(gate - made, 0.0), 0.0
+        gate = max(gate - _made_within(marks, "gate_start", gate_end), 0.0)  # models made once per machine: not again
         out[key] = {GATE_KEPT: gate} if kept else {GATE_MEASURED: gate}
         if not kept and gate_samples is not None:  # the models' starts, the metrics
             out[key][GATE_BESIDES] = gate - gate_samples
@@ -1013,22 +1042,25 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         mean_in = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
         out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
                                         f"mean_tokens@{length_class(mean_in)}": mean_in}
-        out.setdefault(machine_key(), {})[f"{COMPUTE}@{spec.mode}"] = (
-            default_rate(engine, spec.mode, spec.model.quantization) / (engine_tokens / engine_seconds))
+        if measured_default(engine, spec.mode, spec.model.quantization):
+            out.setdefault(machine_key(), {})[f"{COMPUTE}@{spec.mode}"] = (
+                default_rate(engine, spec.mode, spec.model.quantization) / (engine_tokens / engine_seconds))
     if trials_ran:
         if trial_engine_seconds:  # what the trials cost besides the engines: the sample's reading, closing them
             kept = engine == trial_order(runnable_engines(spec)[0])[-1]
             out[trials_key(spec)] = {trial_overhead_name(kept): trials - trial_engine_seconds}
     elif early or "engine_start" in marks:
-        start = early or _span(marks, "engine_start", "engine_ready")
-        out[engine_key(spec, engine)] = {"engine start": max(start - made, 0.0)}
+        span = ("early_engine_start", "early_engine_ready") if early else ("engine_start", "engine_ready")
+        out[engine_key(spec, engine)] = {"engine start": max(_span(marks, *span) - _made_within(marks, *span), 0.0)}
     return out
 
 
-def _made_seconds() -> float:
-    """What making models took in this process (tokenmill.onnx_models.MADE_SECONDS), if it made any."""
+def _made_within(marks: dict[str, float], start: str, end: str) -> float:
+    """The seconds of this span that went to making models (tokenmill.onnx_models.MADE_SPANS)."""
     onnx_models = sys.modules.get("tokenmill.onnx_models")
-    return sum(onnx_models.MADE_SECONDS) if onnx_models is not None else 0.0
+    if onnx_models is None or start not in marks or end not in marks:
+        return 0.0
+    return sum(max(min(stop, marks[end]) - max(begin, marks[start]), 0.0) for begin, stop in onnx_models.MADE_SPANS)
 
 
 def compare(prediction: Prediction, metrics: dict[str, float]) -> dict[str, float]:
