@@ -1006,9 +1006,7 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     if not early and marks.get("engine_start", 0.0) >= marks.get("first_shard_started", math.inf):
         prepare -= _span(marks, "engine_start", "engine_ready")  # the engine started in the first shard: its own part
     index = _span(marks, "index_start", "index_done")
-    kept = "gate_verdict_kept" in marks  # an eval gate ran in the flow's start (flows/batch.py): its own part
-    gate = _span(marks, "gate_start", "gate_verdict_kept" if kept else "gate_measured")
-    gate_end = "gate_verdict_kept" if kept else "gate_measured"
+    gate = _span(marks, "gate_start", "gate_verdict_kept" if "gate_verdict_kept" in marks else "gate_measured")
     fixed: dict[str, float] = {
         "python imports": _span(marks, "process", "cli_ready"),
         "orchestrator API": _span(marks, "api_start", "api_ready"),
@@ -1028,23 +1026,11 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
             fixed[f"{OVERHEAD}@{length_class(mean)}"] = outside
     if index and engine_rows > 0:
         fixed["index build per 1,000 rows"] = index / engine_rows * 1000
-    out = {fixed_key(spec, engine): fixed}
-    if gate:
-        key = _gate_keys.get(_job_key(spec)) or gate_key(spec)
-        gate = max(gate - _made_within(marks, "gate_start", gate_end), 0.0)  # models made once per machine: not again
-        out[key] = {GATE_KEPT: gate} if kept else {GATE_MEASURED: gate}
-        if not kept and gate_samples is not None:  # the models' starts, the metrics
-            out[key][GATE_BESIDES] = gate - gate_samples
+    out = {fixed_key(spec, engine): fixed, **(_gate_parts(spec, marks, gate_samples) if gate else {})}
     imports = command_imports()
     if imports is not None:  # the machine's speed (machine_speed): every run's command imports, any job
         out[machine_key()] = {"python imports": imports}
-    if engine_rows > 0 and engine_seconds > 0 and engine_tokens > 0:
-        mean_in = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
-        out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
-                                        f"mean_tokens@{length_class(mean_in)}": mean_in}
-        if measured_default(engine, spec.mode, spec.model.quantization):
-            out.setdefault(machine_key(), {})[f"{COMPUTE}@{spec.mode}"] = (
-                default_rate(engine, spec.mode, spec.model.quantization) / (engine_tokens / engine_seconds))
+    _add_rate_parts(out, spec, engine, metrics, engine_rows)
     if trials_ran:
         if trial_engine_seconds:  # what the trials cost besides the engines: the sample's reading, closing them
             kept = engine == trial_order(runnable_engines(spec)[0])[-1]
@@ -1053,6 +1039,33 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         span = ("early_engine_start", "early_engine_ready") if early else ("engine_start", "engine_ready")
         out[engine_key(spec, engine)] = {"engine start": max(_span(marks, *span) - _made_within(marks, *span), 0.0)}
     return out
+
+
+def _gate_parts(spec: JobSpec, marks: dict[str, float], gate_samples: float | None) -> dict[str, dict[str, float]]:
+    """The eval gate's seconds (flows/batch.py marks its span), under the key its prediction read; without
+    the models it made once per machine; and, where it measured, its seconds besides its models' samples."""
+    kept = "gate_verdict_kept" in marks
+    end = "gate_verdict_kept" if kept else "gate_measured"
+    gate = max(_span(marks, "gate_start", end) - _made_within(marks, "gate_start", end), 0.0)
+    parts = {GATE_KEPT: gate} if kept else {GATE_MEASURED: gate}
+    if not kept and gate_samples is not None:  # the models' starts, the metrics
+        parts[GATE_BESIDES] = gate - gate_samples
+    return {_gate_keys.get(_job_key(spec)) or gate_key(spec): parts}
+
+
+def _add_rate_parts(out: dict[str, dict[str, float]], spec: JobSpec, engine: str, metrics: dict[str, float],
+                    engine_rows: int) -> None:
+    """The engine's tokens/s at this run's length class, and how far below its default rate it ran
+    (compute_speed), where the run computed rows."""
+    engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
+    if engine_rows <= 0 or engine_seconds <= 0 or engine_tokens <= 0:
+        return
+    mean_in = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
+    out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
+                                    f"mean_tokens@{length_class(mean_in)}": mean_in}
+    if measured_default(engine, spec.mode, spec.model.quantization):
+        out.setdefault(machine_key(), {})[f"{COMPUTE}@{spec.mode}"] = (
+            default_rate(engine, spec.mode, spec.model.quantization) / (engine_tokens / engine_seconds))
 
 
 def _made_within(marks: dict[str, float], start: str, end: str) -> float:
