@@ -408,7 +408,7 @@ def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(t
     fixed = parts[prediction.fixed_key(ran, "transformers")]
     assert fixed[prediction.OVERHEAD] == pytest.approx(overhead - 0.5 / 40 * 1000)
     # a model made once per machine inside the gate, or inside the engine's start: not stored as either's seconds
-    monkeypatch.setattr("tokenmill.onnx_models.MADE_SPANS", [(t0 + 10, t0 + 14), (t0 + 20, t0 + 21)])
+    monkeypatch.setattr("tokenmill.prediction.MADE_SPANS", [(t0 + 10, t0 + 14), (t0 + 20, t0 + 21)])
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False,
                                       gate_samples=6.0)
     assert parts[prediction.gate_key(ran)] == {"gate": pytest.approx(15.0), prediction.GATE_BESIDES: pytest.approx(9.0)}
@@ -420,7 +420,7 @@ def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(t
                                       False)
     assert parts[prediction.engine_key(ungated, "onnxruntime")] == {"engine start": pytest.approx(6.5)}
     # a kept verdict starts no engine in the gate: a model made for the corpus is the engine start's, not the gate's
-    monkeypatch.setattr("tokenmill.onnx_models.MADE_SPANS", [(t0 + 29.5, t0 + 32.5)])
+    monkeypatch.setattr("tokenmill.prediction.MADE_SPANS", [(t0 + 29.5, t0 + 32.5)])
     marks.update(gate_start=t0 + 8, engine_start=t0 + 29.2, engine_ready=t0 + 33.0)
     marks.pop("gate_measured")
     marks["gate_verdict_kept"] = t0 + 8.5

@@ -112,13 +112,10 @@ class GateReport(BaseModel):
         would trade quality for nothing), and `declined` says why."""
         passing = [i for i, v in enumerate(verdicts) if v.passed]
         floor = _gate(spec).min_saving
-        enough = [i for i in passing if floor is None or _saving(reference, verdicts[i].cost) >= floor]
-        chosen, declined, best = None, "", 0
-        if enough:  # within COST_TIE_MARGIN of the cheapest, the rung the job lists first: a re-run's
-            # measurement noise must not flip the choice (the model is in the shards' cache keys)
-            cheapest = min(verdicts[i].cost.usd_per_1m_tokens for i in enough)
-            chosen = next(i for i in enough if verdicts[i].cost.usd_per_1m_tokens <= cheapest * (1 + COST_TIE_MARGIN))
-        elif passing:
+        chosen = pick_cheapest({i: verdicts[i].cost.usd_per_1m_tokens for i in passing},
+                               {i: _saving(reference, verdicts[i].cost) for i in passing}, floor)
+        declined, best = "", 0
+        if chosen is None and passing:
             best = min(passing, key=lambda i: verdicts[i].cost.usd_per_1m_tokens)
             saving = _saving(reference, verdicts[best].cost)
             declined = (f"{verdicts[best].cost.model} ({verdicts[best].cost.engine}) passed but "
@@ -568,6 +565,19 @@ def _cost(job: JobSpec, run: SampleRun, spec: JobSpec) -> ModelCost:
 def _label(job: JobSpec) -> str:
     return job.model_name + (f" [{job.model.quantization}]" if job.model.quantization else "") + \
         (f" [{job.model.dtype}]" if job.model.dtype != "auto" else "")
+
+
+def pick_cheapest(costs: dict[int, float], savings: dict[int, float], floor: float | None) -> int | None:
+    """The candidate that runs the corpus, of those given (index: $/1M, and the share of the reference's
+    $/1M it saves): the cheapest that saves at least `floor`, or the rung listed first within COST_TIE_MARGIN
+    of it, so that a re-run's measurement noise does not flip the choice (the model is in the shards' cache
+    keys); None where none saves that much. GateReport.judge on measured costs, and
+    tokenmill.prediction.default_pick on the engines' default rates, before any verdict."""
+    enough = [i for i in costs if floor is None or savings[i] >= floor]
+    if not enough:
+        return None
+    cheapest = min(costs[i] for i in enough)
+    return next(i for i in enough if costs[i] <= cheapest * (1 + COST_TIE_MARGIN))
 
 
 def _saving(reference: ModelCost, candidate: ModelCost) -> float:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import statistics
 import time
 from pathlib import Path
@@ -61,9 +60,11 @@ from tokenmill.engine_choice import (
     trials_cached,
 )
 from tokenmill.digest import stable_digest
-from tokenmill.gate import (COST_TIE_MARGIN, GateReport, candidate_models, chosen_model, known_verdict,
-                            last_verdict_elsewhere)
+from tokenmill.gate import (GateReport, candidate_models, chosen_model, job_for, known_verdict,
+                            last_verdict_elsewhere, pick_cheapest)
 from tokenmill.models import resolve_model
+from tokenmill.onnx_models import MADE_SPANS, int8_isa, made_seconds, model_folder, onnx_steps
+from tokenmill.openvino_models import openvino_step
 from tokenmill.outputs import MANIFEST, OutputStore
 from tokenmill.planning import row_cache_share, rows_per_shard
 from tokenmill.prompts import prompt_columns, text_column_used
@@ -328,8 +329,6 @@ def measured_default(engine: str, mode: str, quantization: str | None) -> bool:
         return False
     if not quantization:
         return True
-    from tokenmill.onnx_models import int8_isa
-
     return (engine, quantization, int8_isa()) in MEASURED_QUANTIZED
 
 
@@ -388,8 +387,6 @@ def rate_at(points: list[tuple[float, float]], length: float) -> float:
 def default_rate(engine: str, mode: str, quantization: str | None = None) -> float:
     rate = DEFAULT_TOKENS_PER_S.get((engine, mode), DEFAULT_TOKENS_PER_S_BY_MODE[mode])
     if quantization and mode == "embed":
-        from tokenmill.onnx_models import int8_isa
-
         rate *= DEFAULT_QUANTIZED_SPEEDUP.get((engine, quantization, int8_isa()), 1.0)
     return rate
 
@@ -790,16 +787,13 @@ def models_to_make(spec: JobSpec) -> list[tuple[str, str]]:
     engine, quantization = engine_of(spec), spec.model.quantization
     if engine not in ("onnxruntime", "openvino") or spec.mode != "embed":
         return []
-    from tokenmill.onnx_models import model_folder, onnx_steps
-
     try:
         model_path = resolve_model(spec.model_name)
         steps = onnx_steps(model_path, quantization if engine == "onnxruntime" else None, spec.model_name)
         out = [("onnx", name) for name, identity in steps
                if not (model_folder("onnx", name, identity) / "model.onnx").exists()]
         if engine == "openvino" and quantization:
-            from tokenmill.openvino_engine import calibration
-            from tokenmill.openvino_models import openvino_step
+            from tokenmill.openvino_engine import calibration  # its import reads the tokenizers' code
 
             batches, digest = calibration(spec, model_path)
             exported = model_folder("onnx", *steps[0]) / "model.onnx"
@@ -813,8 +807,6 @@ def models_to_make(spec: JobSpec) -> list[tuple[str, str]]:
 
 def making_part(models: list[tuple[str, str]]) -> tuple[float, str]:
     """The seconds making these models takes here, and what each is from."""
-    from tokenmill.onnx_models import made_seconds
-
     seconds, says = 0.0, []
     factor, speed = machine_speed()
     for kind, name in models:
@@ -858,7 +850,7 @@ def predict_gated(spec: JobSpec) -> Prediction:
     picks = verdict or elsewhere
     assumed = default_pick(spec) if picks is None else None
     model = chosen_model(spec, picks) if picks is not None else assumed or spec.gate.reference
-    corpus = spec.model_copy(update={"model": model})
+    corpus = job_for(spec, model)
     parts = read_parts()
     sample = job_sample(corpus)
     if verdict is None:
@@ -868,7 +860,7 @@ def predict_gated(spec: JobSpec) -> Prediction:
                   gate_makes=verdict is None)
     gate = gate_part(spec, corpus, verdict, elsewhere, sample, parts)
     if assumed is not None:  # what the corpus would take on the reference, should no candidate pass
-        on_reference = predict(spec.model_copy(update={"model": spec.gate.reference}), sample, parts, [],
+        on_reference = predict(job_for(spec, spec.gate.reference), sample, parts, [],
                                early_start=False, gate_makes=True)
         gate = gate.model_copy(update={"source": gate.source + (
             f" (if none passes, the reference runs the corpus: {on_reference.seconds - out.seconds:+,.0f} s)")})
@@ -883,20 +875,16 @@ def predict_gated(spec: JobSpec) -> Prediction:
 
 
 def default_pick(spec: JobSpec) -> Any:
-    """Before this gate's first verdict here: the candidate it picks if every candidate passes, by $/1M at the
-    engines' default rates (tokenmill.gate.GateReport.judge: the cheapest that saves gate.min_saving, the first
-    listed within COST_TIE_MARGIN of it); None where none saves that much at them (the reference runs)."""
-    gate = spec.gate
-
+    """Before this gate's first verdict here: the candidate it picks if every candidate passes, by the rule
+    of its verdicts (tokenmill.gate.pick_cheapest) on $/1M at the engines' default rates; None where none
+    saves gate.min_saving at them (the reference runs)."""
     def cost(model) -> float:
-        return 1.0 / default_rate(engine_of(spec.model_copy(update={"model": model})), spec.mode, model.quantization)
+        return 1.0 / default_rate(engine_of(job_for(spec, model)), spec.mode, model.quantization)
 
-    reference, candidates = cost(gate.reference), [cost(m) for m in candidate_models(spec)]
-    enough = [i for i, c in enumerate(candidates) if gate.min_saving is None or 1 - c / reference >= gate.min_saving]
-    if not enough:
-        return None
-    cheapest = min(candidates[i] for i in enough)
-    return candidate_models(spec)[next(i for i in enough if candidates[i] <= cheapest * (1 + COST_TIE_MARGIN))]
+    reference, candidates = cost(spec.gate.reference), [cost(m) for m in candidate_models(spec)]
+    chosen = pick_cheapest(dict(enumerate(candidates)),
+                           {i: round(1 - c / reference, 9) for i, c in enumerate(candidates)}, spec.gate.min_saving)
+    return None if chosen is None else candidate_models(spec)[chosen]
 
 
 def gate_kept_rows(spec: JobSpec, corpus: JobSpec, sample: JobSample) -> int:
@@ -948,7 +936,7 @@ def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, elsewh
     tokens = statistics.fmean(sample.lengths or [1]) * min(spec.gate.sample_rows, max(corpus_rows, 1))
     models = [spec.gate.reference, *candidate_models(spec)]
     making, made = making_part(list(dict.fromkeys(
-        m for model in models for m in models_to_make(spec.model_copy(update={"model": model})))))
+        m for model in models for m in models_to_make(job_for(spec, model)))))
     if making:
         why += f"; + {making:.1f} s making the models not made here yet: {made}"
     besides, source = stored(parts, key, GATE_BESIDES, None)
@@ -960,7 +948,7 @@ def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, elsewh
     seconds, source = stored(parts, key, GATE_MEASURED, None)
     if seconds is not None:
         return Part(name="eval gate", seconds=seconds + making, source=f"{source}; {why}")
-    engines = [engine_of(spec.model_copy(update={"model": m})) for m in models]
+    engines = [engine_of(job_for(spec, m)) for m in models]
     each = [default_start_here(e, spec.mode) + tokens / default_rate_here(e, spec.mode, m.quantization)
             for e, m in zip(engines, models)]
     factor, speed = machine_speed()
@@ -1070,10 +1058,9 @@ def _add_rate_parts(out: dict[str, dict[str, float]], spec: JobSpec, engine: str
 
 def _made_within(marks: dict[str, float], start: str, end: str) -> float:
     """The seconds of this span that went to making models (tokenmill.onnx_models.MADE_SPANS)."""
-    onnx_models = sys.modules.get("tokenmill.onnx_models")
-    if onnx_models is None or start not in marks or end not in marks:
+    if start not in marks or end not in marks:
         return 0.0
-    return sum(max(min(stop, marks[end]) - max(begin, marks[start]), 0.0) for begin, stop in onnx_models.MADE_SPANS)
+    return sum(max(min(stop, marks[end]) - max(begin, marks[start]), 0.0) for begin, stop in MADE_SPANS)
 
 
 def compare(prediction: Prediction, metrics: dict[str, float]) -> dict[str, float]:
