@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import timezone
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -206,7 +207,31 @@ def deploy(fleet: Fleet):
         assert "spec" in on_demand.parameter_openapi_schema["properties"]  # the UI's JobSpec form
         worker = client.read_deployment_by_name("tokenmill-shard-worker/gpu-spot")
         assert worker.work_pool_name == "tokenmill-gpu-spot"
+        _scheduled_runs_appear(fleet, client, nightly)
+        for name in ("nightly", "backfill"):  # a suite run at 02:00 or 22:00 UTC must not start them
+            client.pause_deployment(client.read_deployment_by_name(f"tokenmill-batch/{name}").id)
     return on_demand
+
+
+def _scheduled_runs_appear(fleet: Fleet, client, deployment, timeout: float = 90) -> None:
+    """The server's scheduler makes the nightly's runs from its cron (SQLAlchemy 2.1 broke its bulk insert
+    under Prefect 3.7: the schedule stood and no run was ever made)."""
+    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
+                                                FlowRunFilterState, FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+                any_=[StateType.SCHEDULED]))))
+        if runs:
+            starts = [r.expected_start_time.astimezone(timezone.utc) for r in runs]
+            assert all((t.hour, t.minute) == (2, 0) for t in starts), starts  # cron "0 2 * * *", UTC
+            return
+        time.sleep(2)
+    raise AssertionError(f"no scheduled run of {deployment.name} within {timeout} s:\n{fleet.logs()}")
 
 
 @pytest.fixture(scope="module")
