@@ -241,7 +241,10 @@ def _submit(driver) -> None:
 
     for attempt in (1, 2):
         [submit] = [b for b in driver.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Submit"]
-        _click(driver, submit)
+        if attempt == 1:
+            _click(driver, submit)
+        else:  # the error's toast lies over the button
+            driver.execute_script("arguments[0].click()", submit)
         _wait(driver, answered, "the form submitted")
         if not driver.current_url.split("?")[0].endswith("/run"):
             return
