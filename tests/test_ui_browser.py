@@ -228,6 +228,7 @@ def _submit(driver) -> None:
     SQLite server answers a write that meets another's lock (SQLITE_BUSY: the worker's polls write too)
     with 503, for the client to retry: its Python client does, its UI shows "Something went wrong" and
     keeps the form filled, and a user submits again. Any other answer fails here."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     busy: list[str] = []
@@ -239,12 +240,19 @@ def _submit(driver) -> None:
                     if "create_flow_run" in e["message"] and " 503 " in e["message"])
         return bool(busy)
 
+    def click(d, attempt: int) -> bool:  # the page redraws as its toasts come and go: find the button anew
+        try:
+            [submit] = [b for b in d.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Submit"]
+            if attempt == 1:
+                _click(d, submit)
+            else:  # the error's toast lies over the button
+                d.execute_script("arguments[0].click()", submit)
+        except (StaleElementReferenceException, ValueError):
+            return False
+        return True
+
     for attempt in (1, 2):
-        [submit] = [b for b in driver.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Submit"]
-        if attempt == 1:
-            _click(driver, submit)
-        else:  # the error's toast lies over the button
-            driver.execute_script("arguments[0].click()", submit)
+        _wait(driver, lambda d: click(d, attempt), "the Submit button clicked", timeout=30)
         _wait(driver, answered, "the form submitted")
         if not driver.current_url.split("?")[0].endswith("/run"):
             return
