@@ -57,6 +57,34 @@ def _rung(model, usd_per_1m, passed=True):
                                                 passed=passed)])
 
 
+def test_the_prediction_picks_by_the_rule_the_verdict_picks_by(tmp_path, monkeypatch):
+    """gate.pick_cheapest: the cheapest that saves gate.min_saving, else the first listed within COST_TIE_MARGIN
+    of it; prediction.default_pick (before any verdict, at the default rates) and GateReport.judge (measured
+    costs) both use it, so the model predicted is the one the gate picks when every rung passes."""
+    from tokenmill import prediction
+    from tokenmill.gate import GateReport, candidate_models, pick_cheapest
+
+    assert pick_cheapest({0: 0.52, 1: 0.50}, {0: 0.48, 1: 0.50}, 0.1) == 0  # within the margin: listed first
+    assert pick_cheapest({0: 0.60, 1: 0.50}, {0: 0.40, 1: 0.50}, 0.1) == 1
+    assert pick_cheapest({0: 0.80, 1: 0.95}, {0: 0.20, 1: 0.05}, 0.2) == 0  # a saving of exactly the floor
+    assert pick_cheapest({0: 0.95}, {0: 0.05}, 0.1) is None and pick_cheapest({0: 1.2}, {0: -0.2}, None) == 0
+    assert pick_cheapest({}, {}, None) is None
+
+    rates = {("openvino", None): 7000.0, ("onnxruntime", "int8"): 11200.0, ("openvino", "int8"): 5600.0}
+    monkeypatch.setattr(prediction, "default_rate", lambda engine, mode, quantization=None: rates[engine, quantization])
+    ladder = [{"name": "all-MiniLM-L6-v2", "engine": "openvino", "quantization": "int8"},
+              {"name": "all-MiniLM-L6-v2", "engine": "onnxruntime", "quantization": "int8"}]
+    reference = {"name": "all-MiniLM-L6-v2", "engine": "openvino"}
+    for floor in (None, 0.1, 0.5):
+        spec = JobSpec(input=str(tmp_path), gate={"reference": reference, "candidates": ladder, "min_saving": floor})
+        costs = [1e6 / rates[m.engine, m.quantization] * 0.02 for m in [spec.gate.reference, *candidate_models(spec)]]
+        report = GateReport.judge(spec, "sample", 128, _rung("reference", costs[0]).cost,
+                                  [_rung(f"rung {i}", c) for i, c in enumerate(costs[1:])])
+        picked = prediction.default_pick(spec)
+        assert picked == (None if report.chosen is None else candidate_models(spec)[report.chosen]), floor
+        assert (picked is None) == (floor == 0.5)  # ONNX Runtime int8 saves 37.5% at these rates
+
+
 def test_a_candidate_that_passes_but_saves_nothing_leaves_the_corpus_to_the_reference(tmp_path, monkeypatch):
     from tokenmill import gate
     from tokenmill.gate import GateReport, chosen_model, evaluate, verdict_key
