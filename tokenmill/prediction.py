@@ -64,6 +64,7 @@ from tokenmill.gate import (GateReport, candidate_models, chosen_model, job_for,
                             last_verdict_elsewhere, pick_cheapest)
 from tokenmill.models import resolve_model
 from tokenmill.onnx_models import MADE_SPANS, int8_isa, made_seconds, model_folder, onnx_steps
+from tokenmill.openvino_engine import calibration
 from tokenmill.openvino_models import openvino_step
 from tokenmill.outputs import MANIFEST, OutputStore
 from tokenmill.planning import row_cache_share, rows_per_shard
@@ -793,8 +794,6 @@ def models_to_make(spec: JobSpec) -> list[tuple[str, str]]:
         out = [("onnx", name) for name, identity in steps
                if not (model_folder("onnx", name, identity) / "model.onnx").exists()]
         if engine == "openvino" and quantization:
-            from tokenmill.openvino_engine import calibration  # its import reads the tokenizers' code
-
             batches, digest = calibration(spec, model_path)
             exported = model_folder("onnx", *steps[0]) / "model.onnx"
             name, identity = openvino_step(exported, model_path, quantization, spec.model_name, digest, len(batches))
