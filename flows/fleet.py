@@ -95,15 +95,19 @@ def _run_fleet(spec: PrefectJob, ledger: DispatchLedger, store: ResultStore, key
                shard_list: str, client, logger) -> None:
     fleet = spec.fleet
     parent = runtime_flow_run.name or "tokenmill"
+    attempt = f"{runtime_flow_run.id}:{runtime_flow_run.run_count}"  # a retried parent launches anew
 
     def launch(item: Launch) -> WorkerRun:
         name = f"{parent}-r{item.round}-w{len(ledger.runs)}{'-copy' if item.speculative else ''}"
+        # Prefect's client sends a create again when the API does not answer in time (a SQLite server
+        # holding its write lock for a minute did: two worker runs of one name ran the same shards); with
+        # this key the server hands back the run the first request made instead of making a second
         flow_run = run_deployment(
             fleet.deployment,
             parameters={"spec": spec.model_dump(mode="json"), "shard_ids": item.shard_ids,
                         "shard_list": shard_list},
             flow_run_name=name, timeout=0, job_variables=fleet.job_variables or None,
-            tags=["tokenmill", "shard-worker"], as_subflow=True,
+            tags=["tokenmill", "shard-worker"], as_subflow=True, idempotency_key=f"{attempt}:{name}",
         )
         run = ledger.launched(item, str(flow_run.id), name, time.monotonic())
         tokens = sum(ledger.weights[s] for s in item.shard_ids)

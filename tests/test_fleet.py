@@ -312,6 +312,8 @@ def test_pool_dispatch_finishes_the_job_when_a_worker_is_killed_mid_run(fleet, d
 
 
 def test_a_straggler_gets_a_speculative_copy_and_nothing_is_written_twice(fleet, deployed, tmp_path):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
     ids = _corpus(tmp_path / "in", files=1, rows=600)  # 4 shards, all on one worker run
     with fleet.client() as client:
         parent = client.create_flow_run_from_deployment(
@@ -319,6 +321,16 @@ def test_a_straggler_gets_a_speculative_copy_and_nothing_is_written_twice(fleet,
         final = _wait_for(client, parent.id, 420, fleet)
         assert final.state.is_completed(), f"{final.state}\n{fleet.logs()}"
         runs = _worker_runs(client, parent.id)
+        # the create request of a launch, sent again (as Prefect's client does when the API answers late):
+        # the server hands back the run already launched, no second worker runs its shards
+        keys = [r.idempotency_key for r in runs]
+        assert all(keys) and len(set(keys)) == len(runs), keys
+        again = client.create_flow_run_from_deployment(
+            runs[0].deployment_id, parameters=runs[0].parameters, name=runs[0].name,
+            idempotency_key=runs[0].idempotency_key)
+        assert again.id == runs[0].id
+        assert len(client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=[runs[0].name])))) == 1
     assert any(r.name.endswith("-copy") for r in runs), [r.name for r in runs]
     assert sorted(_ids_written(tmp_path / "out")) == sorted(ids)
     metrics = _mlflow_metrics(tmp_path, "straggle")
