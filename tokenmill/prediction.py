@@ -112,7 +112,12 @@ CALL_SAMPLE_ROWS = 256  # generate: the rows whose lengths a job's calls are pla
 DEFAULT_ENGINE_START = {("vllm", "embed"): 25.0, ("vllm", "generate"): 85.0, ("onnxruntime", "embed"): 0.1,
                         ("openvino", "embed"): 0.5}
 DEFAULT_ENGINE_EXIT = {"vllm": 3.5, "transformers": 1.0, "onnxruntime": 0.7, "openvino": 0.7}
-DEFAULT_TOKENS_PER_S = {("vllm", "generate"): 700.0, ("transformers", "generate"): 170.0}
+# vLLM's CPU backend embeds MiniLM at 0.44-0.47 of transformers' rate at every row length: 2,126-2,620 tokens/s
+# against 4,794-5,588 on rows of 15, 52, 101 and 223 tokens (2-core AMD EPYC, AVX2, 2026-11-26, one engine each,
+# best of two passes). Not a per-request cost: its rate is as flat over length as transformers'. Held to
+# transformers' 7,000, the first job on a machine that ran on vLLM was predicted at twice its measured rate.
+DEFAULT_TOKENS_PER_S = {("vllm", "generate"): 700.0, ("transformers", "generate"): 170.0,
+                        ("vllm", "embed"): 3_200.0}
 DEFAULT_TOKENS_PER_S_BY_MODE = {"embed": 7_000.0, "generate": 170.0}
 # A quantized embedding model's default rate, as a multiple of its engine's: a CPU with AVX2 and no VNNI
 # (bench/PREDICTION.md's host, machine speed ~2.2) measured MiniLM on 256-row gate samples at 6,760-7,520 tokens/s
