@@ -109,7 +109,7 @@ def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_p
     b = prediction.predict_job(job_b)
     assert b.engine == "transformers" and b.rows == 3
     for part in b.parts:
-        assert round(part.seconds, 3) not in a_figures or part.seconds == 0, part
+        assert round(part.seconds, 3) not in a_figures or round(part.seconds, 3) == 0, part  # 0.000: no figure
         assert part.is_default or part.name == "engine start" and "default" in part.source, part
     assert "default: transformers never measured here for this job" in b.part("engine").source
     assert "this machine's speed" in b.part("python imports").source
@@ -198,6 +198,50 @@ def test_orchestration_start_is_what_the_engines_start_does_not_hide():
     assert "measured here on vllm" in orchestration_part(parts, "here|transformers|embed", 0.2).source
 
 
+def test_a_first_vllm_start_of_a_model_here_pays_its_compile_and_later_starts_load(tmp_path, monkeypatch):
+    """vLLM compiles a model on its first start on a machine and keeps the graphs: a start never measured here
+    is predicted with the compile; once a start of this model and mode ran here (trial or run, compiling or
+    not), none is added, and a start that compiled is never taken for the starts that load."""
+    import vllm.envs  # noqa: F401 - its cache root is read from the environment on each access
+
+    from tokenmill import prediction
+    from tokenmill.engine_choice import EngineTrial
+    from tokenmill.prediction import COMPILING_START, JobSample, engine_key, engine_start_part, first_compile, trials_part
+    from tokenmill.spec import JobSpec
+    from tokenmill.vllm_engine import compiled_graphs
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
+    spec = JobSpec.model_validate({"input": "in", "mode": "embed", "model": {"name": "all-MiniLM-L6-v2", "engine": "vllm"}})
+    sample = JobSample(rows=100, shards=1, lengths=[20] * 32)
+    compile_s, why = first_compile(spec, "vllm", {}, [])
+    assert compile_s == pytest.approx(prediction.DEFAULT_VLLM_COMPILE["embed"]) and "first start here compiles" in why
+    assert first_compile(spec, "transformers", {}, []) == (0.0, "")
+    part = engine_start_part(spec, "vllm", sample, {}, [])
+    assert part.seconds == pytest.approx(prediction.default_start("vllm", "embed") + compile_s) and "compiles" in part.source
+    trial = trials_part(spec, sample, {}, ["vllm"], [])
+    assert f"vllm {prediction.default_start('vllm', 'embed') + compile_s:.1f} s start (default; its first start" in trial.source
+    # a run whose start compiled: the next start loads (a default load, no compile), its 80 s not read as a load
+    compiled_run = {engine_key(spec, "vllm"): {COMPILING_START: [80.0]}}
+    assert first_compile(spec, "vllm", compiled_run, []) == (0.0, "")
+    assert engine_start_part(spec, "vllm", sample, compiled_run, []).seconds == pytest.approx(
+        prediction.default_start("vllm", "embed"))
+    # a trial whose start compiled: neither its trials' part nor the run's start reads its 80 s as a load
+    compiled_trial = EngineTrial(engine="vllm", start_seconds=80.0, tokens_per_s=5000.0, rows=32, tokens=640,
+                                 seconds=0.1, compiled=True)
+    assert prediction.measured_start(spec, "vllm", {}, [(20.0, compiled_trial)]) == (None, "")
+    assert first_compile(spec, "vllm", {}, [(20.0, compiled_trial)]) == (0.0, "")
+    assert engine_start_part(spec, "vllm", sample, {}, [(20.0, compiled_trial)]).seconds == pytest.approx(
+        prediction.default_start("vllm", "embed"))
+    loaded = compiled_trial.model_copy(update={"start_seconds": 30.0, "compiled": False})
+    assert engine_start_part(spec, "vllm", sample, {}, [(20.0, compiled_trial), (20.0, loaded)]).seconds == 30.0
+    # what tells them apart: a start that adds a folder to vLLM's torch.compile cache compiled
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
+    assert compiled_graphs() == set()
+    (tmp_path / "vllm" / "torch_compile_cache" / "torch_aot_compile" / "0a1b").mkdir(parents=True)
+    assert compiled_graphs() == {"torch_aot_compile/0a1b"}
+
+
 def test_first_run_trials_are_each_engine_from_its_measured_parts(monkeypatch):
     """A trial at a new length is each engine's start as measured here plus this sample's trial tokens at
     the engine's measured rate, plus the trials' overhead measured besides the engines; an engine never
@@ -217,7 +261,7 @@ def test_first_run_trials_are_each_engine_from_its_measured_parts(monkeypatch):
     part = trials_part(spec, sample, parts, ["transformers", "vllm"], [(20.0, short)], kept=True)
     vllm = 22.0 + trial_tokens(spec, sample.lengths, "vllm") / 8000.0  # median of 30, 20, 22
     transformers = (prediction.default_start("transformers", "embed")
-                    + trial_tokens(spec, sample.lengths, "transformers") / prediction.default_rate("transformers", "embed"))
+                    + trial_tokens(spec, sample.lengths, "transformers") / prediction.default_rate_here("transformers", "embed"))  # the probed compute
     assert part.seconds == pytest.approx(vllm + transformers + 2.0)
     assert "vllm 22.0 s start (measured here, median of 3)" in part.source and "(2 default figures)" in part.source
     assert not part.is_default
@@ -252,7 +296,12 @@ def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_
     assert prediction.machine_speed()[0] == pytest.approx(2.0)
     seconds, source = prediction.stored({}, "cpu-test|vllm|embed", "exit", 3.5)
     assert seconds == pytest.approx(7.0) and "x 2.00 (this machine's speed" in source
+    # tokens/s are the compute's, not the imports': a CPU's probe (test below), the imports' figure on a GPU
+    monkeypatch.setattr(prediction, "device_label", lambda: "gpu-test")
+    prediction.remember_parts({"gpu-test|machine": {"python imports": 2 * prediction.DEFAULT_SECONDS["python imports"]}})
     assert prediction.default_rate_here("vllm", "embed") == pytest.approx(prediction.default_rate("vllm", "embed") / 2)
+    assert prediction.compute_speed("embed")[1].startswith(" / 2.00 (this machine's speed")
+    monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
     measured = {"cpu-test|vllm|embed": {"exit": [1.0]}}
     assert prediction.stored(measured, "cpu-test|vllm|embed", "exit", 3.5)[0] == 1.0  # a measured part: as measured
     # each run adds its command's imports (any job): their median, not one process's figure
@@ -262,6 +311,34 @@ def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_
     factor, why = prediction.machine_speed()
     assert factor == pytest.approx(3.7 / prediction.DEFAULT_SECONDS["python imports"])  # of 4.0, 3.0, 3.4, 9.0
     assert "the median of 4 commands' imports here, 3.7 s" in why
+
+
+def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_imports(tmp_path, monkeypatch):
+    """Before any run here, a CPU's default embedding tokens/s are divided by the defaults' machine's matrix-product rate
+    over this one's (one core's probe times the cores), probed by the first command and stored, so every later
+    command divides alike; a machine whose imports are slow but whose cores are fast computes fast. Once a
+    run measured an engine against its default, that measurement rules."""
+    from tokenmill import device, prediction
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
+    monkeypatch.setattr(prediction, "usable_cores", lambda: 2)
+    probes = []
+    monkeypatch.setattr(prediction, "core_gflops", lambda: probes.append(1) or prediction.DEFAULT_GFLOPS)
+    prediction.remember_parts({"cpu-test|machine": {"python imports": 3 * prediction.DEFAULT_SECONDS["python imports"]}})
+    factor, why = prediction.compute_speed("embed")
+    assert factor == pytest.approx(0.5) and "x 2 cores" in why and why.startswith(" / 0.50")
+    assert prediction.default_rate_here("transformers", "embed") == pytest.approx(2 * prediction.default_rate("transformers", "embed"))
+    assert prediction.compute_speed("embed")[0] == pytest.approx(0.5) and len(probes) == 1  # stored: probed once
+    assert prediction.machine_speed()[0] == pytest.approx(3.0)  # seconds still scale by the imports
+    # generation (small products a step: the interpreter's pace) by the imports' figure, dividing
+    factor, why = prediction.compute_speed("generate")
+    assert factor == pytest.approx(3.0) and why.startswith(" / 3.00 (this machine's speed")
+    prediction.remember_parts({"cpu-test|machine": {f"{prediction.COMPUTE}@embed": 1.25}})
+    assert prediction.compute_speed("embed")[0] == pytest.approx(1.25)  # a run's measurement rules its mode
+    assert prediction.compute_speed("generate")[0] == pytest.approx(3.0)
+    gflops = device.core_gflops()  # the real probe: one core's float32 products, a positive finite rate
+    assert 0.1 < gflops < 10_000
 
 
 def test_output_length_is_read_only_from_trials_of_the_same_corpus_and_prompt():

@@ -73,6 +73,7 @@ class EngineTrial(BaseModel):
     # timed rows' answers in tokens, at the trial's cap (min(max_tokens, TRIAL_MAX_TOKENS))
     calls: list[CallCost] = []
     output_lengths: list[int] = []
+    compiled: bool = False  # vLLM: its start compiled the model (tokenmill.vllm_engine.compiled_graphs), a first start here
 
 
 class EngineChoice(BaseModel):
@@ -463,6 +464,7 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         instance = get_engine(model_path, job)
         # as a fresh process waits for it: the library's import too (vLLM's own figure leaves it out)
         start_seconds = (instance.start_seconds if was_open else 0.0) or time.perf_counter() - started
+        compiled = bool(getattr(instance, "compiled", False))
         warm = max(1, min(8, len(rows) // 4))
         run_engine(instance, rows[-warm:], job)  # warm-up: first-call allocations, kernels; not timed again
         rows = rows[:-warm] or rows
@@ -499,7 +501,7 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
                        rows=len(rows), tokens=tokens, seconds=seconds, output_tokens=produced, streams=streams,
                        tokens_per_s_by_streams=by_streams if len(candidates) > 1 else {},
                        wall_seconds=time.perf_counter() - started, corpus=output_identity(spec), calls=shapes,
-                       output_lengths=answers)
+                       output_lengths=answers, compiled=compiled)
 
 
 def _other_width(instance, rows: list[list[int]], calls: list[list[int]], job: JobSpec) -> list[CallCost]:

@@ -46,7 +46,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tokenmill import call_costs, timeline
-from tokenmill.device import device_label
+from tokenmill.device import core_gflops, device_label, usable_cores
 from tokenmill.engine_choice import (
     TRIAL_MAX_TOKENS,
     cache_dir,
@@ -63,7 +63,7 @@ from tokenmill.digest import stable_digest
 from tokenmill.gate import (GateReport, candidate_models, chosen_model, job_for, known_verdict,
                             last_verdict_elsewhere, pick_cheapest)
 from tokenmill.models import resolve_model
-from tokenmill.onnx_models import MADE_SPANS, int8_isa, made_seconds, model_folder, onnx_steps
+from tokenmill.onnx_models import MADE_SPANS, cpu_flags, int8_isa, made_seconds, model_folder, onnx_steps
 from tokenmill.openvino_engine import calibration
 from tokenmill.openvino_models import openvino_step
 from tokenmill.outputs import MANIFEST, OutputStore
@@ -103,30 +103,54 @@ CALL_SAMPLE_ROWS = 256  # generate: the rows whose lengths a job's calls are pla
 # engine never measured here. Quiet 2-core CPU (bench/PREDICTION.md's trials and runs): vLLM's start 23-37 s
 # embedding MiniLM (its first on a machine the longest), 81 s generating with SmolLM2 (its import
 # included); MiniLM embeds at 6,500-7,900 tokens/s on either engine; SmolLM2 generates at 650-840 tokens/s
-# on vLLM, 150-190 on transformers; exit: vLLM's shutdown 3.2-4.0 s, transformers' 0.6-1.4 s.
+# on vLLM (later runs: below), 150-190 on transformers; exit: vLLM's shutdown 3.2-4.0 s, transformers' 0.6-1.4 s.
+# vLLM's starts here are starts that load graphs an earlier start compiled (DEFAULT_VLLM_COMPILE: a first's).
 # ONNX Runtime and OpenVINO load an exported model in a session, no torch import: bench/PREDICTION.md's gated
 # jobs measured onnxruntime's start at 0.2 s and its exit at 1.3-1.4 s on a machine of speed ~2, and
 # `make run`'s log shows OpenVINO's start within 1.1 s of its sample's read there.
 # vLLM's embedding start: 23-37 s on the quiet CPU, 58.7 and 62.2 s on a host of speed 2.22 and 2.74 (26 and 23 s
-# at speed 1): 35 s put the first job on a machine 15-30% over in every bench run since run 6.
-DEFAULT_ENGINE_START = {("vllm", "embed"): 25.0, ("vllm", "generate"): 85.0, ("onnxruntime", "embed"): 0.1,
+# at speed 1): 35 s put the first job on a machine 15-30% over in every bench run since run 6. A 2-core Xeon
+# (speed 1.03, 2026-11-26, bench/VLLM_STARTS.md: python -m bench.vllm_starts) loading kept graphs:
+# 29.0-29.6 s for MiniLM, 71.4-72.3 s for SmolLM2 (the AMD hosts' 81 s at speed 1).
+DEFAULT_ENGINE_START = {("vllm", "embed"): 27.0, ("vllm", "generate"): 76.0, ("onnxruntime", "embed"): 0.1,
                         ("openvino", "embed"): 0.5}
 DEFAULT_ENGINE_EXIT = {"vllm": 3.5, "transformers": 1.0, "onnxruntime": 0.7, "openvino": 0.7}
+# vLLM's first start of a model on a machine compiles it (torch.compile; the graphs kept in VLLM_CACHE_ROOT for every
+# later start): seconds at machine speed 1, beyond the start above (which loads kept graphs). The 2-core Xeon at
+# speed 1.03, each start a fresh process, vLLM's and torch's caches emptied before the first: MiniLM 47.6 s
+# compiling against 29.0-29.6 s loading, SmolLM2 93.6 s against 71.4-72.3 s (tokenmill.vllm_engine saw the first
+# add a compiled graph, the others none).
+DEFAULT_VLLM_COMPILE = {"embed": 18.0, "generate": 21.0}
+COMPILING_START = "engine start, compiling"  # a run's vLLM start that compiled: see first_compile
 # vLLM's CPU backend embeds MiniLM at 0.44-0.47 of transformers' rate at every row length: 2,126-2,620 tokens/s
 # against 4,794-5,588 on rows of 15, 52, 101 and 223 tokens (2-core AMD EPYC, AVX2, 2026-11-26, one engine each,
 # best of two passes). Not a per-request cost: its rate is as flat over length as transformers'. Held to
 # transformers' 7,000, the first job on a machine that ran on vLLM was predicted at twice its measured rate.
-DEFAULT_TOKENS_PER_S = {("vllm", "generate"): 700.0, ("transformers", "generate"): 170.0,
+# vLLM generating SmolLM2 (rows of ~85 tokens, 32 out): 453-472 tokens/s at machine speed 1 on a 2-core Xeon
+# (467-487 at 0.97), 513 on a 2-core AMD EPYC (270 at 1.9), 2026-11-26; 700 had put both 1.4-1.5x fast.
+DEFAULT_TOKENS_PER_S = {("vllm", "generate"): 490.0, ("transformers", "generate"): 170.0,
                         ("vllm", "embed"): 3_200.0}
 DEFAULT_TOKENS_PER_S_BY_MODE = {"embed": 7_000.0, "generate": 170.0}
+# The float32 matrix-product rate (GFLOP/s, a core's times the cores: tokenmill.device.core_gflops) of a machine
+# the default tokens/s above hold on, for a CPU no run has measured (probe_speed). Measured on a 2-core Xeon with
+# AVX-512 (2026-11-26): its cores probed at 163-171 GFLOP/s each, and its first runs computed at 1/0.67-1/0.69 of
+# the defaults (MiniLM: transformers 10,127 tokens/s, vLLM 4,430-4,792, at ~20 tokens a row): 0.68 x 2 x 168 = 228.
+# Not probed on the 2-core AVX2 AMD hosts most defaults came from (runs there computed at 1/1.4-1/1.6 of them): at
+# 85% of their cores' peak (two 8-wide FMA units at 2.5-3.0 GHz) they would probe at 68-82 GFLOP/s a core, which
+# this figure puts at 1/1.4-1/1.65. A stated estimate until a session on such a host probes one.
+DEFAULT_GFLOPS = 228.0
 # A quantized embedding model's default rate, as a multiple of its engine's: a CPU with AVX2 and no VNNI
 # (bench/PREDICTION.md's host, machine speed ~2.2) measured MiniLM on 256-row gate samples at 6,760-7,520 tokens/s
 # with ONNX Runtime's dynamic int8, 3,540-3,700 with OpenVINO's static int8 (slower than its float32's 4,400-4,440:
 # without VNNI its int8 products are emulated), transformers' float32 4,400-4,700. With VNNI never measured here:
-# ONNX Runtime's figure for both (stated, a guess).
+# ONNX Runtime's figure for both (stated, a guess). With AMX's int8 tiles (a 2-core Xeon, 2026-11-26: whole runs of
+# the 3,000-row mixed corpus, two rounds interleaved): transformers' float32 10,075-10,145 tokens/s, OpenVINO's float32
+# 11,065-11,102, ONNX Runtime's dynamic int8 18,025-18,167 (1.8x), OpenVINO's static int8 29,944-30,515 (3.0x).
 DEFAULT_QUANTIZED_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
-                             ("onnxruntime", "int8", "vnni"): 1.6, ("openvino", "int8", "vnni"): 1.6}
-MEASURED_QUANTIZED = {("onnxruntime", "int8", "no-vnni"), ("openvino", "int8", "no-vnni")}
+                             ("onnxruntime", "int8", "vnni"): 1.6, ("openvino", "int8", "vnni"): 1.6,
+                             ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0}
+MEASURED_QUANTIZED = {("onnxruntime", "int8", "no-vnni"), ("openvino", "int8", "no-vnni"),
+                      ("onnxruntime", "int8", "amx"), ("openvino", "int8", "amx")}
 LOCAL_ENGINES = ("vllm", "transformers", "onnxruntime", "openvino")  # the engines that compute on this machine
 DEFAULT_WINNER = {"embed": "transformers", "generate": "vllm"}  # auto's usual choice on a CPU, without trials
 DISTINCT_ROWS_READ = 1_000_000  # rows read to count identical inputs; beyond them, the share counted so far
@@ -138,6 +162,7 @@ GATE_BESIDES_SECONDS = 1.0
 GATE_VERDICT_KEPT_SECONDS = 0.5
 GATE_MEASURED, GATE_KEPT, GATE_BESIDES = "gate", "gate, verdict kept", "gate besides the models' samples"
 COMPUTE = "default rate over measured"  # per mode, under machine_key(): see compute_speed
+PROBE = "float32 GFLOP/s a core"  # under machine_key(): see probe_speed
 # A shard overhead is scaled from a measured length class at most this many classes (x2 each) away: part of
 # it is per row, not per token, and a factor of 4 is as far as the runs here bear it out.
 MAX_LENGTH_CLASSES_SCALED = 2
@@ -328,6 +353,13 @@ def default_rate_here(engine: str, mode: str, quantization: str | None = None) -
     return default_rate(engine, mode, quantization) / compute_speed(mode)[0]
 
 
+def int8_class() -> str:
+    """The class of int8 products this CPU runs, for the quantized defaults: int8_isa ('vnni', 'no-vnni'),
+    with AMX's int8 tiles told apart from VNNI alone (they ran OpenVINO's int8 at 3x float32)."""
+    isa = int8_isa()
+    return "amx" if isa == "vnni" and "amx_int8" in cpu_flags() else isa
+
+
 def measured_default(engine: str, mode: str, quantization: str | None) -> bool:
     """Whether an engine's default rate is a measured figure a run here can be held to (compute_speed): not an
     OpenAI-compatible server's (it computes elsewhere), nor a quantization's never measured (a guess)."""
@@ -335,20 +367,54 @@ def measured_default(engine: str, mode: str, quantization: str | None) -> bool:
         return False
     if not quantization:
         return True
-    return (engine, quantization, int8_isa()) in MEASURED_QUANTIZED
+    return (engine, quantization, int8_class()) in MEASURED_QUANTIZED
 
 
 def compute_speed(mode: str) -> tuple[float, str]:
     """How much slower than their defaults engines compute on this machine: the median, over the last runs
     here of this mode (any engine, any job), of an engine's default rate over the rate the run measured.
-    Before any run: machine_speed, the imports' figure (which overstates it: a 2-core host whose imports took
-    2.2x the defaults' ran MiniLM at 1/1.5-1/1.6 of their rates on transformers, OpenVINO and ONNX Runtime alike)."""
+    Before any run, embedding on a CPU: probe_speed, its cores' matrix products against the defaults'
+    machine's. Not the imports' figure (machine_speed), which reads the interpreter and the disk, not the
+    vector units: a 2-core AMD host whose imports took 2.2x the defaults' ran MiniLM at 1/1.5-1/1.6 of their
+    rates, and a 2-core Xeon with AVX-512 whose imports took 1.07x ran it at 1/0.67-1/0.69 of them.
+    Generation (a few rows a step, small products: the interpreter's and the memory's pace, not the vector
+    units') by the imports' figure: that Xeon generated at 1/1.44-1/1.50 of the defaults, the AMD host at
+    1/2.6, against imports of 0.97x and 1.9x (the defaults since set from both)."""
     measured = read_parts().get(machine_key(), {}).get(f"{COMPUTE}@{mode}") or []
     if not measured:
-        return machine_speed()
+        probed = probe_speed() if mode == "embed" else None
+        if probed is not None:
+            return probed
+        factor, why = machine_speed()
+        return factor, why.replace(" x ", " / ", 1)
     factor = min(max(statistics.median(measured), 0.25), 8.0)
     return factor, (f" / {factor:.2f} (this machine's compute: engines ran at 1/{factor:.2f} of their default rates, "
                     f"the median of {len(measured)} runs here)")
+
+
+def probe_speed() -> tuple[float, str] | None:
+    """On a CPU: the defaults' machine's matrix-product rate over this one's (tokenmill.device.core_gflops:
+    one core's, times the cores this process may use), for engine rates before any run here measured one.
+    The first command that predicts here stores its probe under machine_key() and every later one reads
+    that figure, so plan, calibrate and run of one job divide their default rates alike. None on a GPU
+    (the probe reads the CPU) or where numpy cannot run it."""
+    if not device_label().startswith("cpu"):
+        return None
+    key = machine_key()
+    measured = read_parts().get(key, {}).get(PROBE) or []
+    if not measured:
+        try:
+            gflops = round(core_gflops(), 1)  # as stored: the command that probed reads what later ones read
+        except Exception:  # noqa: BLE001 - no BLAS to probe: the imports' figure stands in (compute_speed)
+            return None
+        remember_parts({key: {PROBE: gflops}})
+        measured = [gflops]
+    per_core = statistics.median(measured)
+    cores = usable_cores()
+    factor = min(max(DEFAULT_GFLOPS / (per_core * cores), 0.25), 8.0)
+    return factor, (f" / {factor:.2f} (this machine's compute before any run here: a core's float32 matrix "
+                    f"products at {per_core:,.0f} GFLOP/s x {cores} cores, against the defaults' "
+                    f"{DEFAULT_GFLOPS:,.0f})")
 
 
 def stored(parts: dict[str, Any], key: str, name: str, default: float | None) -> tuple[float | None, str]:
@@ -393,7 +459,7 @@ def rate_at(points: list[tuple[float, float]], length: float) -> float:
 def default_rate(engine: str, mode: str, quantization: str | None = None) -> float:
     rate = DEFAULT_TOKENS_PER_S.get((engine, mode), DEFAULT_TOKENS_PER_S_BY_MODE[mode])
     if quantization and mode == "embed":
-        rate *= DEFAULT_QUANTIZED_SPEEDUP.get((engine, quantization, int8_isa()), 1.0)
+        rate *= DEFAULT_QUANTIZED_SPEEDUP.get((engine, quantization, int8_class()), 1.0)
     return rate
 
 
@@ -716,12 +782,15 @@ def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: l
                        if spec.mode == "generate" else 0.0)
         if start is None:
             start, start_source = default_start_here(engine, spec.mode), "default"
+            compiling, why = first_compile(spec, engine, parts, trials)
+            if compiling:
+                start, start_source = start + compiling, f"default; {why}"
         if points:
             curve = [(m + min(out_per_row, TRIAL_MAX_TOKENS), r) for m, r, _ in points]
             rate, rate_source = rate_at(curve, mean + min(out_per_row, TRIAL_MAX_TOKENS)), "measured"
         else:
             rate, rate_source = default_rate_here(engine, spec.mode), "default"
-        defaults += (start_source == "default") + (rate_source == "default")
+        defaults += start_source.startswith("default") + (rate_source == "default")
         each.append((start + tokens / rate, f"{engine} {start:.1f} s start ({start_source}) + {tokens:,.0f} tokens "
                                             f"at {rate:,.0f} tokens/s ({rate_source})"))
     closing = 0.0 if kept else default_exit(trial_order(able)[-1])
@@ -738,11 +807,29 @@ def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: l
 def measured_start(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> tuple[float | None, str]:
     """The engine's start for this model and mode as measured here: the median of its trials' starts and
     its runs' (None when never measured)."""
-    starts = [t.start_seconds for _, t in trials if t.engine == engine and t.start_seconds > 0 and not t.estimated_from]
+    starts = [t.start_seconds for _, t in trials if t.engine == engine and t.start_seconds > 0
+              and not t.estimated_from and not t.compiled]
     starts += parts.get(engine_key(spec, engine), {}).get("engine start", [])
     if not starts:
         return None, ""
     return statistics.median(starts), f"measured here, median of {len(starts)}"
+
+
+def first_compile(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> tuple[float, str]:
+    """The seconds a vLLM start spends compiling the model, where no start of this model and mode was measured
+    here (a first start compiles; vLLM keeps the graphs for the next: tokenmill.vllm_engine.compiled_graphs),
+    and what they are from. Starts that compiled are stored apart from those that loaded (COMPILING_START), so
+    a later start is predicted from loads, not from a first start's compile."""
+    if engine != "vllm":
+        return 0.0, ""
+    if any(t.engine == engine and t.start_seconds > 0 and not t.estimated_from for _, t in trials):
+        return 0.0, ""
+    if any(parts.get(engine_key(spec, engine), {}).get(name) for name in ("engine start", COMPILING_START)):
+        return 0.0, ""
+    factor, speed = machine_speed()
+    default = DEFAULT_VLLM_COMPILE[spec.mode]
+    return default * factor, (f"its first start here compiles the model: + {default * factor:.1f} s (default: "
+                              f"{default:g} s{speed})")
 
 
 def trial_tokens(spec: JobSpec, lengths: list[int], engine: str) -> float:
@@ -761,8 +848,13 @@ def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict
     """The engine's start as runs here waited for it; before any run, as its trial measured it; and the
     models it makes first (ONNX Runtime's and OpenVINO's, once per machine), unless a gate before it makes them."""
     seconds, source = stored(parts, engine_key(spec, engine), "engine start", default_start(engine, spec.mode))
-    if source.startswith("default") and any(t.engine == engine for _, t in trials):
-        seconds, source = trial_start(spec, engine, sample, trials), "its trial's start, no run here yet"
+    loads = [(m, t) for m, t in trials if not t.compiled]  # a trial that compiled: this start loads its graphs
+    if source.startswith("default") and any(t.engine == engine for _, t in loads):
+        seconds, source = trial_start(spec, engine, sample, loads), "its trial's start, no run here yet"
+    elif source.startswith("default"):
+        compiling, why = first_compile(spec, engine, parts, trials)
+        if compiling:
+            seconds, source = seconds + compiling, f"{source}; {why}"
     making, made = (0.0, "") if gate_makes else making_part(models_to_make(spec))
     if making:
         seconds, source = seconds + making, f"{source}; + {making:.1f} s making {made}"
@@ -1029,7 +1121,8 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
             out[trials_key(spec)] = {trial_overhead_name(kept): trials - trial_engine_seconds}
     elif early or "engine_start" in marks:
         span = ("early_engine_start", "early_engine_ready") if early else ("engine_start", "engine_ready")
-        out[engine_key(spec, engine)] = {"engine start": max(_span(marks, *span) - _made_within(marks, *span), 0.0)}
+        name = COMPILING_START if "engine_compiled" in marks else "engine start"  # see first_compile
+        out[engine_key(spec, engine)] = {name: max(_span(marks, *span) - _made_within(marks, *span), 0.0)}
     return out
 
 

@@ -13,10 +13,12 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from tokenmill import timeline
 from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.generation import vllm_sampling_params
 from tokenmill.processes import ProcessIdentity, is_gone, process_stat
@@ -34,6 +36,20 @@ ENGINE_THREAD_JOIN_SECONDS = 30.0
 ENGINE_SHUTDOWN_SECONDS = 2.0
 
 
+def compiled_graphs() -> set[str]:
+    """The models vLLM keeps compiled on this machine: the folders of its torch.compile cache
+    (VLLM_CACHE_ROOT/torch_compile_cache: torch_aot_compile/<hash>, or <hash>/rank_0_0 in older vLLM),
+    one per model and configuration. A start that adds one compiled its model (20-30 s of a 2-core CPU's
+    start); one that adds none loaded an earlier start's graphs."""
+    try:
+        import vllm.envs as envs
+
+        root = Path(envs.VLLM_CACHE_ROOT) / "torch_compile_cache"
+        return {str(p.relative_to(root)) for p in root.glob("*/*") if p.is_dir()}
+    except Exception:  # noqa: BLE001 - no cache to read: nothing known compiled
+        return set()
+
+
 class VLLMEngine(Engine):
     name = "vllm"
 
@@ -44,9 +60,15 @@ class VLLMEngine(Engine):
         self.engine_args = vllm_engine_args(model_path, spec)
         log.info("Starting vLLM: %s", self.engine_args)
         before = set(threading.enumerate())
+        graphs = compiled_graphs()
         started = time.perf_counter()
         self.llm = LLM(**self.engine_args)
         self.start_seconds = time.perf_counter() - started
+        # a start that compiled the model (its first here, or after vLLM's cache was cleared) against one that
+        # loaded what an earlier start compiled: tokenmill.prediction holds them apart
+        self.compiled = bool(compiled_graphs() - graphs)
+        if self.compiled:
+            timeline.mark("engine_compiled")
         self.client_threads = [t for t in threading.enumerate()
                                if t not in before and t.name in VLLM_CLIENT_THREADS]
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
