@@ -293,6 +293,8 @@ REPORTS = {
     "BACKFILL.md": ("backfill runs", "python -m bench.backfill"),
     "SPEED_DRIFT.md": ("identical engine work timed for minutes: how much its speed drifts here, and whether a "
                        "speed probe or recent costs would predict it better", "python -m bench.speed_drift"),
+    "VLLM_STARTS.md": ("vLLM's start: a model's first on a machine (it compiles) against later ones (they load), "
+                       "and the CPU's compute probe", "python -m bench.vllm_starts"),
     "FINDINGS.md": ("what the figures mean (prose, written by hand)", "—"),
 }
 INDEX_START, INDEX_END = "<!-- report index: written by bench/harness.py; do not edit by hand -->", "<!-- end of index -->"

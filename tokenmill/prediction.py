@@ -110,16 +110,16 @@ CALL_SAMPLE_ROWS = 256  # generate: the rows whose lengths a job's calls are pla
 # `make run`'s log shows OpenVINO's start within 1.1 s of its sample's read there.
 # vLLM's embedding start: 23-37 s on the quiet CPU, 58.7 and 62.2 s on a host of speed 2.22 and 2.74 (26 and 23 s
 # at speed 1): 35 s put the first job on a machine 15-30% over in every bench run since run 6. A 2-core Xeon
-# (speed 1.03, 2026-11-26, bench/VLLM_STARTS.md: python -m bench.vllm_starts) loading kept graphs:
-# 29.0-29.6 s for MiniLM, 71.4-72.3 s for SmolLM2 (the AMD hosts' 81 s at speed 1).
+# (speed 1.0-1.1, 2026-11-26, bench/VLLM_STARTS.md: python -m bench.vllm_starts) loading kept graphs:
+# 28.8-30.6 s for MiniLM, 70.7-77.2 s for SmolLM2 (the AMD hosts' 81 s at speed 1).
 DEFAULT_ENGINE_START = {("vllm", "embed"): 27.0, ("vllm", "generate"): 76.0, ("onnxruntime", "embed"): 0.1,
                         ("openvino", "embed"): 0.5}
 DEFAULT_ENGINE_EXIT = {"vllm": 3.5, "transformers": 1.0, "onnxruntime": 0.7, "openvino": 0.7}
 # vLLM's first start of a model on a machine compiles it (torch.compile; the graphs kept in VLLM_CACHE_ROOT for every
 # later start): seconds at machine speed 1, beyond the start above (which loads kept graphs). The 2-core Xeon at
-# speed 1.03, each start a fresh process, vLLM's and torch's caches emptied before the first: MiniLM 47.6 s
-# compiling against 29.0-29.6 s loading, SmolLM2 93.6 s against 71.4-72.3 s (tokenmill.vllm_engine saw the first
-# add a compiled graph, the others none).
+# speed 1.0-1.1, each start a fresh process, vLLM's and torch's caches emptied before the first (three sequences,
+# bench/VLLM_STARTS.md the last): MiniLM 46.5-49.8 s compiling against 28.8-30.6 s loading, SmolLM2 93.2-98.0 s
+# against 70.7-77.2 s (tokenmill.vllm_engine saw each first start add a compiled graph, the later ones none).
 DEFAULT_VLLM_COMPILE = {"embed": 18.0, "generate": 21.0}
 COMPILING_START = "engine start, compiling"  # a run's vLLM start that compiled: see first_compile
 # vLLM's CPU backend embeds MiniLM at 0.44-0.47 of transformers' rate at every row length: 2,126-2,620 tokens/s
