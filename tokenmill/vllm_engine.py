@@ -9,6 +9,7 @@ tokenmill.engines keeps the process's engines; tokenmill.hf_engine is the other 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import threading
@@ -262,9 +263,16 @@ def vllm_engine_args(model_path: str, spec: JobSpec) -> dict[str, Any]:
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
+    dtype = spec.model.dtype
+    if on_cpu and dtype == "auto":
+        # float32 on a CPU (bf16 ran ~6x slower on an AVX2 host), except an int8 checkpoint on a CPU with AMX:
+        # vLLM's CPU int8 linear picks its AMX kernel there whatever the activations' dtype, and that kernel
+        # takes only bf16/fp16 ("int8_scaled_mm_with_quant: expect A to be bfloat16 or half"; vLLM's
+        # kernels/linear/scaled_mm/cpu.py, check_cpu_sgl_kernel), so in float32 the engine dies on its first call
+        dtype = "bfloat16" if int8_checkpoint(model_path) and cpu_has_amx() else "float32"
     args: dict[str, Any] = {
         "model": model_path,
-        "dtype": "float32" if (on_cpu and spec.model.dtype == "auto") else spec.model.dtype,
+        "dtype": dtype,
         "max_num_seqs": spec.batching.max_batch_size,
     }
     if spec.mode == "embed":
@@ -279,3 +287,23 @@ def vllm_engine_args(model_path: str, spec: JobSpec) -> dict[str, Any]:
         args["gpu_memory_utilization"] = CPU_MEMORY_SHARE
     args.update(spec.model.engine_kwargs)
     return args
+
+
+def int8_checkpoint(model_path: str) -> bool:
+    """Whether the checkpoint's config asks for int8 weights (compressed-tensors' W8A8, as
+    tokenmill.models.prepare_smollm2_int8 writes it)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    return any((group.get("weights") or {}).get("num_bits") == 8 and (group.get("weights") or {}).get("type") == "int"
+               for group in groups.values() if isinstance(group, dict))
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles, as torch (and so vLLM's CPU kernels) sees them."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
