@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -66,13 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.device import core_gflops, usable_cores
     from tokenmill.prediction import DEFAULT_ENGINE_START, DEFAULT_GFLOPS, DEFAULT_VLLM_COMPILE, machine_speed
 
-    info = machine()
+    info, speed = machine(), machine_speed()[0]
     probes = [core_gflops() for _ in range(5)]
     rows, summary = [], []
     with tempfile.TemporaryDirectory(prefix="vllm-starts-") as folder:
         for mode, name in MODELS:
-            caches = Path(folder) / mode
-            shutil.rmtree(caches, ignore_errors=True)
+            caches = Path(folder) / mode  # new and empty: this model's first start is a new machine's
             starts = []
             for index in range(1 + args.rounds):
                 result = start_once(mode, name, caches)
@@ -86,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                 summary.append(f"- {name} ({mode}): compiling start {first:.1f} s, loading starts "
                                f"{min(loads):.1f}-{max(loads):.1f} s: the compile {first - statistics.median(loads):.1f} s "
                                f"(tokenmill's defaults at this machine's speed: load "
-                               f"{DEFAULT_ENGINE_START[('vllm', mode)] * machine_speed()[0]:.1f} s, compile "
-                               f"{DEFAULT_VLLM_COMPILE[mode] * machine_speed()[0]:.1f} s)")
+                               f"{DEFAULT_ENGINE_START[('vllm', mode)] * speed:.1f} s, compile "
+                               f"{DEFAULT_VLLM_COMPILE[mode] * speed:.1f} s)")
     cores = usable_cores()
     lines = header("vLLM's starts: compiling against loading", "python -m bench.vllm_starts", info, notes=[
         f"- **Compute probe** (tokenmill.device.core_gflops, one core's float32 products, 5 probes): "

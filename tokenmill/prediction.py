@@ -41,7 +41,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel
 
@@ -315,22 +315,37 @@ def machine_speed() -> tuple[float, str]:
     first on a machine was the slowest. It scales every default: seconds up, tokens/s down (two 2-core CPUs of one type here took
     1.8-1.9 s and 3.3-4.8 s for the imports, and their engine starts and rates differed by about as much).
     1.0 before any command measured it (a library call does not start at a command)."""
-    key = machine_key()
-    measured = read_parts().get(key, {}).get("python imports") or []
+    factor, why = speed_by_imports()
+    return factor, f" x {factor:.2f} ({why})" if why else ""
+
+
+def speed_by_imports() -> tuple[float, str]:
+    """machine_speed's factor, and what it is from ("" where nothing measured it)."""
+    measured = machine_figure("python imports", command_imports)
     if not measured:
-        imports = command_imports()
-        if imports is None:
-            return 1.0, ""
-        remember_parts({key: {"python imports": imports}})
-        measured = [imports]
+        return 1.0, ""
     if len(measured) > 1:
         imports = statistics.median(measured)
         why = f"the median of {len(measured)} commands' imports here, {imports:.1f} s"
     else:
         imports = measured[0]
         why = f"a command's imports took {imports:.1f} s here"
-    factor = min(max(imports / DEFAULT_SECONDS["python imports"], 0.5), 4.0)
-    return factor, f" x {factor:.2f} (this machine's speed: {why})"
+    return min(max(imports / DEFAULT_SECONDS["python imports"], 0.5), 4.0), f"this machine's speed: {why}"
+
+
+def machine_figure(name: str, measure: Callable[[], float | None]) -> list[float]:
+    """A figure of this machine's as stored under machine_key() (the last KEEP_LAST). Where none is stored yet,
+    the first command that asks measures and stores it, so every later command reads the figure it read;
+    empty where it cannot be measured here (measure gives None)."""
+    key = machine_key()
+    measured = read_parts().get(key, {}).get(name) or []
+    if not measured:
+        value = measure()
+        if value is None:
+            return []
+        remember_parts({key: {name: value}})
+        measured = [value]
+    return measured
 
 
 def machine_key() -> str:
@@ -385,8 +400,8 @@ def compute_speed(mode: str) -> tuple[float, str]:
         probed = probe_speed() if mode == "embed" else None
         if probed is not None:
             return probed
-        factor, why = machine_speed()
-        return factor, why.replace(" x ", " / ", 1)
+        factor, why = speed_by_imports()
+        return factor, f" / {factor:.2f} ({why})" if why else ""
     factor = min(max(statistics.median(measured), 0.25), 8.0)
     return factor, (f" / {factor:.2f} (this machine's compute: engines ran at 1/{factor:.2f} of their default rates, "
                     f"the median of {len(measured)} runs here)")
@@ -400,21 +415,22 @@ def probe_speed() -> tuple[float, str] | None:
     (the probe reads the CPU) or where numpy cannot run it."""
     if not device_label().startswith("cpu"):
         return None
-    key = machine_key()
-    measured = read_parts().get(key, {}).get(PROBE) or []
+    measured = machine_figure(PROBE, _probe_core)
     if not measured:
-        try:
-            gflops = round(core_gflops(), 1)  # as stored: the command that probed reads what later ones read
-        except Exception:  # noqa: BLE001 - no BLAS to probe: the imports' figure stands in (compute_speed)
-            return None
-        remember_parts({key: {PROBE: gflops}})
-        measured = [gflops]
+        return None
     per_core = statistics.median(measured)
     cores = usable_cores()
     factor = min(max(DEFAULT_GFLOPS / (per_core * cores), 0.25), 8.0)
     return factor, (f" / {factor:.2f} (this machine's compute before any run here: a core's float32 matrix "
                     f"products at {per_core:,.0f} GFLOP/s x {cores} cores, against the defaults' "
                     f"{DEFAULT_GFLOPS:,.0f})")
+
+
+def _probe_core() -> float | None:
+    try:
+        return round(core_gflops(), 1)  # as stored: the command that probed reads what later ones read
+    except Exception:  # noqa: BLE001 - no BLAS to probe: the imports' figure stands in (compute_speed)
+        return None
 
 
 def stored(parts: dict[str, Any], key: str, name: str, default: float | None) -> tuple[float | None, str]:
