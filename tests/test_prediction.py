@@ -284,7 +284,7 @@ def test_the_main_thread_of_a_run_with_trials_stands_in_until_a_warm_run_measure
 
 def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_path, monkeypatch):
     """A default is a quiet reference machine's figure: scaled by this machine's speed (the first command's
-    imports here against the reference's), seconds up and tokens/s down; once stored, every command reads
+    imports' user CPU seconds here against the reference's), seconds up and tokens/s down; once stored, every command reads
     the same figure, until runs measured their imports here: then their median. A library call that never measured it leaves the defaults as stated."""
     from tokenmill import prediction
 
@@ -292,25 +292,56 @@ def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_
     monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
     assert prediction.machine_speed() == (1.0, "")
     assert prediction.stored({}, "cpu-test|vllm|embed", "exit", 3.5)[0] == 3.5
-    prediction.remember_parts({"cpu-test|machine": {"python imports": 2 * prediction.DEFAULT_SECONDS["python imports"]}})
+    prediction.remember_parts({"cpu-test|machine": {prediction.IMPORTS_CPU: 2 * prediction.DEFAULT_IMPORTS_CPU}})
     assert prediction.machine_speed()[0] == pytest.approx(2.0)
     seconds, source = prediction.stored({}, "cpu-test|vllm|embed", "exit", 3.5)
     assert seconds == pytest.approx(7.0) and "x 2.00 (this machine's speed" in source
     # tokens/s are the compute's, not the imports': a CPU's probe (test below), the imports' figure on a GPU
     monkeypatch.setattr(prediction, "device_label", lambda: "gpu-test")
-    prediction.remember_parts({"gpu-test|machine": {"python imports": 2 * prediction.DEFAULT_SECONDS["python imports"]}})
+    prediction.remember_parts({"gpu-test|machine": {prediction.IMPORTS_CPU: 2 * prediction.DEFAULT_IMPORTS_CPU}})
     assert prediction.default_rate_here("vllm", "embed") == pytest.approx(prediction.default_rate("vllm", "embed") / 2)
     assert prediction.compute_speed("embed")[1].startswith(" / 2.00 (this machine's speed")
     monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
     measured = {"cpu-test|vllm|embed": {"exit": [1.0]}}
     assert prediction.stored(measured, "cpu-test|vllm|embed", "exit", 3.5)[0] == 1.0  # a measured part: as measured
     # each run adds its command's imports (any job): their median, not one process's figure
-    for imports in (3.0, 3.4, 9.0):  # 9.0: one loaded run
-        prediction.remember_parts({"cpu-test|machine": {"python imports": imports}})
-    prediction.remember_parts({"other-device|machine": {"python imports": 20.0}})  # another device's
+    for imports in (2.0, 2.4, 9.0):  # 9.0: one loaded run
+        prediction.remember_parts({"cpu-test|machine": {prediction.IMPORTS_CPU: imports}})
+    prediction.remember_parts({"other-device|machine": {prediction.IMPORTS_CPU: 20.0}})  # another device's
     factor, why = prediction.machine_speed()
-    assert factor == pytest.approx(3.7 / prediction.DEFAULT_SECONDS["python imports"])  # of 4.0, 3.0, 3.4, 9.0
-    assert "the median of 4 commands' imports here, 3.7 s" in why
+    assert factor == pytest.approx(2.5 / prediction.DEFAULT_IMPORTS_CPU)  # of 2.6, 2.0, 2.4, 9.0
+    assert "the median of 4 commands' imports here, 2.50 s of CPU" in why
+
+
+def test_a_process_start_is_read_on_the_clock_its_ticks_count_on_and_its_imports_cpu_is_kept():
+    """A run's imports and wall count from its process's start: read against the boot clock, it lies between the
+    parent's spawn and the child's first line (/proc/stat's whole-second boot time put it up to 1 s off, the
+    same for every process of a boot). The imports' user CPU seconds, the machine's speed, are the
+    command's mark's: the interpreter's work, which a loaded disk does not lengthen."""
+    import subprocess
+    import sys
+    import time as clock
+
+    from tokenmill import prediction, timeline
+
+    code = "import time; from tokenmill import timeline; print(time.time() - timeline.process_started())"
+    for _ in range(3):
+        spawned = clock.time()
+        since_start = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                           check=True).stdout)
+        bracket = clock.time() - spawned
+        assert -0.02 <= since_start <= bracket + 0.02  # a clock tick (10 ms) either side
+    timeline.reset()
+    try:
+        sum(i * i for i in range(200_000))
+        timeline.mark("command_ready")
+        cpu = timeline.user_cpu("command_ready")
+        assert cpu is not None and 0 < cpu <= clock.process_time() + 0.01
+        timeline.mark("command_ready")  # the first mark of a name wins, its CPU figure too
+        assert timeline.user_cpu("command_ready") == cpu
+        assert prediction.command_imports_cpu() is None  # a later job of a process: not a command's imports
+    finally:
+        timeline.reset()
 
 
 def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_imports(tmp_path, monkeypatch):
@@ -325,7 +356,7 @@ def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_impo
     monkeypatch.setattr(prediction, "usable_cores", lambda: 2)
     probes = []
     monkeypatch.setattr(prediction, "core_gflops", lambda: probes.append(1) or prediction.DEFAULT_GFLOPS)
-    prediction.remember_parts({"cpu-test|machine": {"python imports": 3 * prediction.DEFAULT_SECONDS["python imports"]}})
+    prediction.remember_parts({"cpu-test|machine": {prediction.IMPORTS_CPU: 3 * prediction.DEFAULT_IMPORTS_CPU}})
     factor, why = prediction.compute_speed("embed")
     assert factor == pytest.approx(0.5) and "x 2 cores" in why and why.startswith(" / 0.50")
     assert prediction.default_rate_here("transformers", "embed") == pytest.approx(2 * prediction.default_rate("transformers", "embed"))

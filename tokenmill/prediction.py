@@ -76,10 +76,10 @@ from tokenmill.spec import JobSpec
 
 # For a part never measured on this machine: seconds (per 1,000 rows where the name says so), stated
 # with the prediction. What a quiet 2-core CPU (CI's machine type) measured in bench/PREDICTION.md's runs
-# (API 2.8-3.4 s, imports 1.8-1.9 s, main thread 1.8-2.6 s embedding and 6-7 s generating, flow start
+# (API 2.8-3.4 s, imports 1.3-1.4 s, main thread 1.8-2.6 s embedding and 6-7 s generating, flow start
 # 0.2-0.3 s); on a loaded one the API takes 10-15 s. A GPU host's differ: there they are guesses.
 DEFAULT_SECONDS = {
-    "python imports": 2.0, "orchestrator API": 3.5, "main thread": 3.0, "flow start": 0.3,
+    "python imports": 1.4, "orchestrator API": 3.5, "main thread": 3.0, "flow start": 0.3,
     "shard overhead per 1,000 rows": 0.6, "index build per 1,000 rows": 1.0, "finish": 0.1,
 }
 # The shard overhead's default is per 1,000 rows of ~256 tokens (length class 8), in proportion to the rows'
@@ -157,12 +157,17 @@ DISTINCT_ROWS_READ = 1_000_000  # rows read to count identical inputs; beyond th
 KEEP_LAST = 5
 # An eval gate never measured here: each model's start and the sample at its rate (the engines' defaults), and
 # this for the rest (the sample's reading, the metrics, closing an engine). A gate whose verdict this machine
-# kept starts no engine: it reads and judges the sample again.
+# kept starts no engine: it reads and judges the sample again, in a Prefect subflow whose run and result cost
+# most of it (a quiet 2-core Xeon: 0.1 s to start it, 0.1 s inside, 0.9 s to end it; 1.1-3.1 s in all there).
 GATE_BESIDES_SECONDS = 1.0
-GATE_VERDICT_KEPT_SECONDS = 0.5
+GATE_VERDICT_KEPT_SECONDS = 1.5
 GATE_MEASURED, GATE_KEPT, GATE_BESIDES = "gate", "gate, verdict kept", "gate besides the models' samples"
 COMPUTE = "default rate over measured"  # per mode, under machine_key(): see compute_speed
 PROBE = "float32 GFLOP/s a core"  # under machine_key(): see probe_speed
+IMPORTS_CPU = "python imports, user CPU seconds"  # under machine_key(): see machine_speed
+# The imports' user CPU seconds on the defaults' machine (a quiet 2-core Xeon, its page cache warm: 1.24-1.35 s;
+# 1.49 s the first command after the cache was dropped, whose wall was 2.24 s against 1.33-1.42).
+DEFAULT_IMPORTS_CPU = 1.3
 # A shard overhead is scaled from a measured length class at most this many classes (x2 each) away: part of
 # it is per row, not per token, and a factor of 4 is as far as the runs here bear it out.
 MAX_LENGTH_CLASSES_SCALED = 2
@@ -307,13 +312,16 @@ def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials,
 
 def machine_speed() -> tuple[float, str]:
     """How much slower than the machine the defaults were measured on this one is, by a part every command
-    measures before it predicts: its Python imports (process start to the command's start), against
-    DEFAULT_SECONDS' (the same work). The first command that predicts on this device stores its figure under
+    measures before it predicts: its Python imports' user CPU seconds (process start to the command's start),
+    against the defaults' machine's (DEFAULT_IMPORTS_CPU, the same work). CPU seconds, not the imports' wall:
+    a machine's first command reads its files from disk, and its wall (2.2 s against 1.3-1.4 warm) scaled
+    every default 1.6x where that first run's parts ran 1.1-1.2x their warm seconds, as its CPU seconds did
+    (1.49 against 1.24-1.35). The first command that predicts on this device stores its figure under
     machine_key(), and every run adds its own (measured_parts): the median of the last KEEP_LAST. Only a run
     changes it, as it changes every measured part, so plan, calibrate and run of one job scale their defaults
-    alike. A median, because one process's imports moved 3.1-4.9 s within an hour on a shared host, and the
-    first on a machine was the slowest. It scales every default: seconds up, tokens/s down (two 2-core CPUs of one type here took
-    1.8-1.9 s and 3.3-4.8 s for the imports, and their engine starts and rates differed by about as much).
+    alike. A median, because one process's imports moved 3.1-4.9 s within an hour on a shared host. It
+    scales every default: seconds up, tokens/s down (two 2-core CPUs of one type here took 1.8-1.9 s and
+    3.3-4.8 s for the imports, and their engine starts and rates differed by about as much).
     1.0 before any command measured it (a library call does not start at a command)."""
     factor, why = speed_by_imports()
     return factor, f" x {factor:.2f} ({why})" if why else ""
@@ -321,16 +329,17 @@ def machine_speed() -> tuple[float, str]:
 
 def speed_by_imports() -> tuple[float, str]:
     """machine_speed's factor, and what it is from ("" where nothing measured it)."""
-    measured = machine_figure("python imports", command_imports)
+    measured = machine_figure(IMPORTS_CPU, command_imports_cpu)
     if not measured:
         return 1.0, ""
     if len(measured) > 1:
-        imports = statistics.median(measured)
-        why = f"the median of {len(measured)} commands' imports here, {imports:.1f} s"
+        cpu = statistics.median(measured)
+        why = f"the median of {len(measured)} commands' imports here, {cpu:.2f} s of CPU"
     else:
-        imports = measured[0]
-        why = f"a command's imports took {imports:.1f} s here"
-    return min(max(imports / DEFAULT_SECONDS["python imports"], 0.5), 4.0), f"this machine's speed: {why}"
+        cpu = measured[0]
+        why = f"a command's imports took {cpu:.2f} s of CPU here"
+    return (min(max(cpu / DEFAULT_IMPORTS_CPU, 0.5), 4.0),
+            f"this machine's speed: {why}, against {DEFAULT_IMPORTS_CPU:g} s")
 
 
 def machine_figure(name: str, measure: Callable[[], float | None]) -> list[float]:
@@ -352,12 +361,13 @@ def machine_key() -> str:
     return f"{device_label()}|machine"
 
 
-def command_imports() -> float | None:
-    """This process's imports: its start to its command's start (before any job file is read), as stored."""
-    marks = timeline.marks()
-    if not timeline.measures_process() or "command_ready" not in marks:
+def command_imports_cpu() -> float | None:
+    """This process's imports' user CPU seconds: its start to its command's start (before any job file is
+    read), as stored."""
+    cpu = timeline.user_cpu("command_ready")
+    if not timeline.measures_process() or cpu is None:
         return None
-    return round(marks["command_ready"] - timeline.process_started(), 3)
+    return round(cpu, 3)
 
 
 def default_start_here(engine: str, mode: str) -> float:
@@ -1127,9 +1137,9 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     if index and engine_rows > 0:
         fixed["index build per 1,000 rows"] = index / engine_rows * 1000
     out = {fixed_key(spec, engine): fixed, **(_gate_parts(spec, marks, gate_samples) if gate else {})}
-    imports = command_imports()
+    imports = command_imports_cpu()
     if imports is not None:  # the machine's speed (machine_speed): every run's command imports, any job
-        out[machine_key()] = {"python imports": imports}
+        out[machine_key()] = {IMPORTS_CPU: imports}
     _add_rate_parts(out, spec, engine, metrics, engine_rows)
     if trials_ran:
         if trial_engine_seconds:  # what the trials cost besides the engines: the sample's reading, closing them
