@@ -174,9 +174,10 @@ def test_generation_with_left_padding_is_greedy_and_deterministic():
 def test_a_generation_trial_measures_calls_of_two_widths_and_its_answers():
     """The trial's calls (tokenmill.call_costs) are what the next prediction of a generation job is fit to: its
     timed calls as the runner cuts them, one call of another width (the fit's per-step cost apart from its
-    per-row cost), and every timed row's answer length."""
+    per-row cost), one of its rows whole for one token (the prompts' cost apart from the steps'), and every
+    timed row's answer length."""
     from tokenmill.call_costs import fit
-    from tokenmill.engine_choice import run_trial
+    from tokenmill.engine_choice import PREFILL_ROWS, run_trial
 
     spec = JobSpec(mode="generate", model=ModelSpec(name="SmolLM2-135M-Instruct", engine="transformers"),
                    generation={"max_tokens": 8, "messages": [{"role": "user", "content": "{text}"}]})
@@ -187,8 +188,11 @@ def test_a_generation_trial_measures_calls_of_two_widths_and_its_answers():
     timed = trial.rows
     assert len(trial.output_lengths) == timed and all(1 <= n <= 8 for n in trial.output_lengths)
     widths = [c.rows for c in trial.calls]
-    assert sum(widths[:-1]) == timed and widths[-1] == timed and timed not in widths[:-1], widths
+    assert sum(widths[:-2]) == timed and widths[-2] == timed and timed not in widths[:-2], widths
+    assert widths[-1] == min(PREFILL_ROWS, timed)
     for call in trial.calls:
         assert call.seconds > 0 and 1 <= call.steps <= 8 and call.output_slots == call.rows * call.steps
-    assert sum(c.output_slots for c in trial.calls[:-1]) >= sum(trial.output_lengths)  # finished rows wait padded
+    assert sum(c.output_slots for c in trial.calls[:-2]) >= sum(trial.output_lengths)  # finished rows wait padded
+    prefill = trial.calls[-1]
+    assert prefill.steps == 1 and prefill.input_slots == prefill.rows * max(len(r) for r in rows[:timed])  # whole
     assert fit(trial.calls) is not None
