@@ -95,7 +95,7 @@ AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL}
 OVERHEAD = "shard overhead per 1,000 rows"
 # Each shard is a Prefect task: its run, state and persisted result cost about this much whatever its rows.
 # Measured 0.45 s a shard on a machine whose imports took 3.8 s (bench/PREDICTION.md's runs: 0.56 s for
-# 1,000 short rows in one shard, 1.6 s for 8,000 in two), so 0.24 s on the reference machine (2.0 s) that
+# 1,000 short rows in one shard, 1.6 s for 8,000 in two), so 0.24 s on the reference machine (imports then read as 2.0 s, 1.3 s of CPU) that
 # machine_speed scales from. A stated figure: a run's own overhead is stored per 1,000 rows after it.
 PER_SHARD_SECONDS = 0.24
 CALL_SAMPLE_ROWS = 256  # generate: the rows whose lengths a job's calls are planned on (call_lengths)
