@@ -331,6 +331,7 @@ def test_a_process_start_is_read_on_the_clock_its_ticks_count_on_and_its_imports
                                            check=True).stdout)
         bracket = clock.time() - spawned
         assert -0.02 <= since_start <= bracket + 0.02  # a clock tick (10 ms) either side
+    kept = dict(timeline._marks), dict(timeline._user_cpu), timeline._first_job  # this process's, put back after
     timeline.reset()
     try:
         sum(i * i for i in range(200_000))
@@ -342,6 +343,9 @@ def test_a_process_start_is_read_on_the_clock_its_ticks_count_on_and_its_imports
         assert prediction.command_imports_cpu() is None  # a later job of a process: not a command's imports
     finally:
         timeline.reset()
+        timeline._marks.update(kept[0])
+        timeline._user_cpu.update(kept[1])
+        timeline._first_job = kept[2]
 
 
 def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_imports(tmp_path, monkeypatch):
