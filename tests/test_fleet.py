@@ -173,7 +173,7 @@ def _ids_written(out: Path) -> list[str]:
     return ids
 
 
-def _wait_for(client, flow_run_id, timeout: float, fleet: Fleet, on_poll=None):
+def _wait_for(client, flow_run_id, timeout: float, fleet: Fleet, on_poll=None, every: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         run = client.read_flow_run(flow_run_id)
@@ -181,7 +181,7 @@ def _wait_for(client, flow_run_id, timeout: float, fleet: Fleet, on_poll=None):
             return run
         if on_poll is not None:
             on_poll()
-        time.sleep(0.5)
+        time.sleep(every)
     raise AssertionError(f"flow run {flow_run_id} did not finish in {timeout} s\n{fleet.logs()}")
 
 
@@ -284,7 +284,9 @@ def test_pool_dispatch_finishes_the_job_when_a_worker_is_killed_mid_run(fleet, d
                     killed.update(name=run.name, id=str(run.id))
                     return
 
-        final = _wait_for(client, parent.id, 480, fleet, on_poll=kill_one_mid_run)
+        # a worker run's window between its first and last shard is a few seconds (~1 s a 150-row shard):
+        # polled every 0.5 s, one CI run's polls all fell outside it; the poll's own API reads take ~0.1-0.3 s
+        final = _wait_for(client, parent.id, 480, fleet, on_poll=kill_one_mid_run, every=0.1)
         assert final.state.is_completed(), f"{final.state}\n{fleet.logs()}"
         assert killed, "no worker run was caught between its first and its last shard"
         victim = client.read_flow_run(killed["id"])
