@@ -196,3 +196,49 @@ def test_a_generation_trial_measures_calls_of_two_widths_and_its_answers():
     prefill = trial.calls[-1]
     assert prefill.steps == 1 and prefill.input_slots == prefill.rows * max(len(r) for r in rows[:timed])  # whole
     assert fit(trial.calls) is not None
+
+
+def test_a_runs_answers_are_what_the_next_prediction_of_its_corpus_plans_with(tmp_path, monkeypatch):
+    """How long a corpus's answers run is measured by its runs and calibrations, stored by model, corpus and
+    prompt at the cap they ran to: the next prediction of that job plans its calls with them; another
+    corpus, or this one asked otherwise, is planned with every answer to its cap."""
+    from tokenmill import call_costs, prediction
+    from tokenmill.engine_choice import answers_key
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "in").mkdir()
+    write_parquet(tmp_path / "in" / "docs.parquet", [f"row-{i}" for i in range(6)], TEXTS[:6])
+    spec = JobSpec(input=str(tmp_path / "in"), output=str(tmp_path / "out"), mode="generate",
+                   model=ModelSpec(name="SmolLM2-135M-Instruct", engine="transformers"),
+                   generation={"max_tokens": 8, "messages": [{"role": "user", "content": "Summarize: {text}"}]})
+    call_costs.forget()
+    (shard,) = discover_shards(spec.input)
+    run_shard(shard, resolve_job(spec))
+    written = sorted(pq.read_table(tmp_path / "out").column("output_tokens").to_pylist())
+    assert len(written) == 6 and all(1 <= n <= 8 for n in written)
+    prediction.remember_run(spec, "transformers", {}, 6, False)  # as the run's record stores its parts
+
+    stored = call_costs.read_answers(tmp_path / "cache", answers_key(spec))
+    assert sorted(stored.answers) == written and stored.cap == 8 and stored.source == "run"
+    answers, source = prediction.job_answers(spec, [])
+    assert sorted(answers) == written and "this corpus's last run" in source
+    wider = spec.model_copy(update={"generation": spec.generation.model_copy(update={"max_tokens": 32})})
+    answers, source = prediction.job_answers(wider, [])  # a larger cap: those cut at 8 run to it
+    assert sorted(answers) == sorted(32 if n >= 8 else n for n in written) and "cut at its cap of 8" in source
+    call_costs.remember_answers(tmp_path / "cache", answers_key(spec), [1, 1], 4, "run")
+    assert sorted(call_costs.read_answers(tmp_path / "cache", answers_key(spec)).answers) == written  # kept: cut less
+    # a calibration of the job at a higher cap: its sample's answers, cut less, are what the job plans with
+    from tokenmill.calibrate import calibrate
+
+    calibrate(JobSpec.model_validate({**spec.model_dump(mode="json"), "generation": {
+        **spec.generation.model_dump(mode="json"), "max_tokens": 12}}), (1, 2), sample_rows=6)
+    stored = call_costs.read_answers(tmp_path / "cache", answers_key(spec))
+    assert stored.source == "calibration" and stored.cap == 12 and len(stored.answers) == 6
+    answers, source = prediction.job_answers(spec, [])
+    assert "this corpus's last calibration" in source and sorted(answers) == sorted(min(n, 8) for n in stored.answers)
+    other = spec.model_copy(update={"input": str(tmp_path / "elsewhere")})
+    asked = JobSpec.model_validate({**spec.model_dump(mode="json"), "generation": {
+        "max_tokens": 8, "messages": [{"role": "user", "content": "Classify: {text}"}]}})
+    for job in (other, asked):
+        answers, source = prediction.job_answers(job, [])
+        assert answers == [8] and "every answer to the cap (8 tokens), an upper bound" in source

@@ -20,8 +20,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from tokenmill.call_costs import remember_answers
 from tokenmill.economics import RunCost
 from tokenmill.encoding import encode_rows
+from tokenmill.engine_choice import answers_key, cache_dir
 from tokenmill.engine_protocol import run_engine
 from tokenmill.engines import get_engine
 from tokenmill.memory import PeakMemory
@@ -109,6 +111,7 @@ def calibrate(spec: JobSpec, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
 
     points: list[CalibrationPoint] = []
     failed: dict[int, str] = {}
+    answers: list[int] = []  # generate: the sample's answers (their lengths), as the first size's calls gave them
     for size in sizes:
         calls = [rows[i: i + size] for i in range(0, len(rows) - size + 1, size)]  # whole calls only
         tokens = sum(len(r) for call in calls for r in call)
@@ -116,8 +119,10 @@ def calibrate(spec: JobSpec, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
             _call(engine, calls[0], job)  # warm-up at this shape
             with PeakMemory() as memory:
                 started = time.perf_counter()
-                produced = sum(_call(engine, call, job) for call in calls)
+                answered = [_call(engine, call, job) for call in calls]
                 seconds = time.perf_counter() - started
+            produced = sum(sum(a) for a in answered)
+            answers = answers or [n for a in answered for n in a]
         except Exception as exc:  # noqa: BLE001 - out of memory and friends mark the cliff
             failed[size] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             points.append(CalibrationPoint(batch_size=size, calls=len(calls), seconds_per_call=0, tokens_per_s=0,
@@ -130,6 +135,8 @@ def calibrate(spec: JobSpec, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
                                        tokens_per_s=cost.tokens_per_s, items_per_s=cost.items_per_s,
                                        peak_memory_gib=memory.peak_gib, usd_per_1m_tokens=cost.usd_per_1m_tokens))
 
+    if answers and spec.generation.n == 1:  # the plan and run of this job read them (engine_choice.corpus_answers)
+        remember_answers(cache_dir(), answers_key(spec), answers, spec.generation.max_tokens, "calibration")
     good = [p for p in points if p.error is None]
     fit = fit_call_time([p.batch_size for p in good], [p.seconds_per_call for p in good]) if len(good) >= 2 else None
     plateau = find_plateau([p.batch_size for p in good], [p.tokens_per_s for p in good])
@@ -147,10 +154,10 @@ def calibrate(spec: JobSpec, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
     )
 
 
-def _call(engine, batch: list[list[int]], job: JobSpec) -> int:
-    """One engine call; returns the output tokens it produced."""
+def _call(engine, batch: list[list[int]], job: JobSpec) -> list[int]:
+    """One engine call; returns its rows' answers in tokens (none embedding)."""
     outputs = run_engine(engine, batch, job)
-    return sum(g.output_tokens for g in outputs) if job.mode == "generate" else 0
+    return [g.output_tokens for g in outputs] if job.mode == "generate" else []
 
 
 def plot_calibration(calibration: Calibration, path: Path) -> Path:

@@ -43,6 +43,7 @@ from pydantic import BaseModel
 KEEP_CALLS = 400  # a family's last measured calls, per engine and device
 MIN_CALLS = 4  # a fit needs at least this many calls, of at least two widths
 STEPS = 1  # the steps' term in CallCost.features
+KEEP_ANSWERS = 512  # a corpus's last measured answers (their lengths), per model and prompt
 MAX_SHARD_ROWS = 20_000  # a longer shard is planned at this many rows and scaled: its calls repeat
 
 
@@ -82,6 +83,7 @@ def call_cost(pads: bool, lengths: Sequence[int], outputs: Sequence[Any], second
 
 _lock = threading.Lock()
 _run_calls: dict[str, list[CallCost]] = {}
+_run_answers: dict[str, list[int]] = {}
 
 
 def _runs_on(spec, engine: str) -> str:
@@ -89,13 +91,19 @@ def _runs_on(spec, engine: str) -> str:
     return json.dumps([engine, spec.mode, spec.model.model_dump(mode="json", exclude={"engine"})], sort_keys=True)
 
 
-def observe(spec, engine: str, calls: Sequence[CallCost]) -> None:
-    """A shard's generation calls (runner): kept until the run of this model on this engine stores them (take)."""
-    if calls:
-        with _lock:
+def observe(spec, engine: str, calls: Sequence[CallCost], answers: Sequence[int] = ()) -> None:
+    """A shard's generation calls and its rows' answers in tokens (runner): kept until the run of this model
+    on this engine stores them (take, take_answers)."""
+    with _lock:
+        if calls:
             kept = _run_calls.setdefault(_runs_on(spec, engine), [])
             kept.extend(calls)
             del kept[:-KEEP_CALLS]  # a process that runs without predicting keeps no more than it would store
+        if answers:
+            held = _run_answers.setdefault(_runs_on(spec, engine), [])
+            held.extend(int(n) for n in answers)
+            if len(held) > 8 * KEEP_ANSWERS:  # a long run: every other answer, so early shards keep their share
+                held[:] = held[::2]
 
 
 def take(spec, engine: str) -> list[CallCost]:
@@ -103,11 +111,17 @@ def take(spec, engine: str) -> list[CallCost]:
         return _run_calls.pop(_runs_on(spec, engine), [])
 
 
+def take_answers(spec, engine: str) -> list[int]:
+    with _lock:
+        return _run_answers.pop(_runs_on(spec, engine), [])
+
+
 def forget() -> None:
     """A job starts (flows/batch.py, beside timeline.begin_job): calls an earlier job of this process left
     unstored (a job that made no prediction, a failed one) are not this job's."""
     with _lock:
         _run_calls.clear()
+        _run_answers.clear()
 
 
 def _path(cache: Path) -> Path:
@@ -135,6 +149,49 @@ def remember_calls(cache: Path, key: str, calls: Sequence[CallCost]) -> None:
         stored = {}
     stored[key] = (stored.get(key, []) + [c.model_dump() for c in calls])[-KEEP_CALLS:]
     temporary = path.with_name(f".engine-calls.{os.getpid()}.{threading.get_ident()}.tmp")
+    temporary.write_text(json.dumps(stored))
+    temporary.replace(path)  # atomic: a concurrent reader sees old or new
+
+
+# ---- a corpus's answers, as measured ----------------------------------------------------------------------
+
+def _answers_path(cache: Path) -> Path:
+    return cache / "generation-answers.json"
+
+
+class Answers(BaseModel):
+    """The answers' lengths in tokens that rows of one corpus and prompt got from one model (up to
+    KEEP_ANSWERS), at the cap they ran to (an answer of `cap` tokens was cut there), and what measured them."""
+    answers: list[int]
+    cap: int
+    source: str  # "run" | "calibration"
+
+
+def read_answers(cache: Path, key: str) -> Answers | None:
+    try:
+        stored = json.loads(_answers_path(cache).read_text()).get(key)
+        return Answers(**stored) if isinstance(stored, dict) else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def remember_answers(cache: Path, key: str, answers: Sequence[int], cap: int, source: str) -> None:
+    """A run's or a calibration's answers for `key` (prediction.answers_key: the model, corpus and prompt).
+    What was stored at a higher cap stays (its answers were cut less); at the same cap the newest replace it."""
+    if not answers or cap <= 0:
+        return
+    path = _answers_path(cache)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    held = stored.get(key)
+    if isinstance(held, dict) and held.get("cap", 0) > cap:
+        return
+    step = max(1, math.ceil(len(answers) / KEEP_ANSWERS))  # evenly spaced over the run's shards
+    stored[key] = Answers(answers=[int(n) for n in answers][::step], cap=cap, source=source).model_dump()
+    temporary = path.with_name(f".generation-answers.{os.getpid()}.{threading.get_ident()}.tmp")
     temporary.write_text(json.dumps(stored))
     temporary.replace(path)  # atomic: a concurrent reader sees old or new
 

@@ -25,13 +25,14 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
-from tokenmill import timeline
+from tokenmill import call_costs, timeline
 from tokenmill.device import device_label
 from tokenmill.digest import stable_digest
 from tokenmill.encoding import encode_rows
@@ -373,11 +374,37 @@ def output_identity(spec: JobSpec) -> str:
     return stable_digest({"input": spec.input, "generation": asked}, 16)
 
 
+def answers_key(spec: JobSpec) -> str:
+    """Where a corpus's measured answers are stored (call_costs.remember_answers): the model, and what the
+    answers' length depends on besides it (output_identity)."""
+    return f"{spec.model_name}|{spec.model.quantization or ''}|{output_identity(spec)}"
+
+
+def corpus_answers(spec: JobSpec, trials: list[EngineTrial]) -> tuple[list[int], int, str] | None:
+    """Generation: the answers (their lengths in tokens) this job's corpus and prompt got here, the cap they
+    ran to, and what measured them: its last run's or its calibration's (stored at the job's cap then),
+    else its trials' (at the trial's cap), whichever ran to the higher cap. None where nothing generated
+    this corpus with this prompt here: another corpus's answers say nothing of this one's (a summary of a
+    README paragraph ran 31 tokens where one of the bench's mixed documents ran 18)."""
+    if spec.mode != "generate":
+        return None
+    stored = call_costs.read_answers(cache_dir(), answers_key(spec))
+    own = [n for t in trials if t.corpus == output_identity(spec) for n in t.output_lengths]
+    trial_cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)
+    if stored is not None and (stored.cap >= trial_cap or not own):
+        return stored.answers, stored.cap, f"this corpus's last {stored.source}"
+    return (own, trial_cap, "this corpus's trial") if own else None
+
+
 def output_tokens_per_row(spec: JobSpec, trials: list[EngineTrial]) -> float:
-    """Generation: the output tokens a job's row will have, from the trials that generated this job's own
-    corpus and prompt: their mean, or, where the trial's outputs ran to the trial's cap (or no trial
-    generated this corpus: another corpus's answers say nothing of this one's), the job's own cap (0.9 of
-    max_tokens, times n)."""
+    """Generation: the output tokens a job's row will have, from what generated this job's own corpus and
+    prompt here: its runs' or calibration's answers (corpus_answers), else its trials': their mean, or,
+    where the trial's outputs ran to the trial's cap (or nothing generated this corpus: another corpus's
+    answers say nothing of this one's), the job's own cap (0.9 of max_tokens, times n)."""
+    measured = corpus_answers(spec, trials) if spec.generation.n == 1 else None
+    if measured is not None and measured[2] != "this corpus's trial":
+        answers, cap, _ = measured
+        return statistics.fmean(call_costs.answer_lengths(answers, cap, spec.generation.max_tokens))
     trials = [t for t in trials if t.corpus == output_identity(spec)]
     out_per_row = max((t.output_tokens / t.rows for t in trials if t.rows), default=0.0)
     trial_cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)

@@ -49,10 +49,11 @@ from tokenmill import call_costs, timeline
 from tokenmill.device import core_gflops, device_label, usable_cores
 from tokenmill.engine_choice import (
     TRIAL_MAX_TOKENS,
+    answers_key,
     cache_dir,
+    corpus_answers,
     engine_trials,
     length_class,
-    output_identity,
     output_tokens_per_row,
     runnable_engines,
     trial_family,
@@ -526,17 +527,18 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
 
 
 def job_answers(spec: JobSpec, trials) -> tuple[list[int], str]:
-    """Generate: the answers' lengths a job's rows will have (call_costs.answer_lengths), from the trials that
-    generated this job's corpus and prompt; else every row's to the cap (another corpus's answers say nothing
-    of this one's: output_tokens_per_row)."""
+    """Generate: the answers' lengths a job's rows will have (call_costs.answer_lengths), from what generated
+    this job's corpus and prompt here (engine_choice.corpus_answers: its runs, its calibration, its trials);
+    else every row's to the cap, an upper bound (another corpus's answers say nothing of this one's)."""
     cap = spec.generation.max_tokens
-    trial_cap = min(cap, TRIAL_MAX_TOKENS)
-    own = [t for _, t in trials if t.output_lengths and t.corpus == output_identity(spec)]
-    if not own:
-        return [cap], f"every answer to the cap ({cap} tokens): no trial generated this corpus here"
-    answers = call_costs.answer_lengths([n for t in own for n in t.output_lengths], trial_cap, cap)
-    cut = f", those cut at its cap of {trial_cap} taken to {cap}" if cap > trial_cap else ""
-    return answers, f"answers of {statistics.fmean(answers):.0f} tokens a row (this corpus's trial{cut})"
+    measured = corpus_answers(spec, [t for _, t in trials])
+    if measured is None:
+        return [cap], (f"every answer to the cap ({cap} tokens), an upper bound: no run, trial or calibration "
+                       "generated this corpus with this prompt here")
+    lengths, ran_to, source = measured
+    answers = call_costs.answer_lengths(lengths, ran_to, cap)
+    cut = f", those cut at its cap of {ran_to} taken to {cap}" if cap > ran_to else ""
+    return answers, f"answers of {statistics.fmean(answers):.0f} tokens a row ({source}{cut})"
 
 
 def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed: bool, tokens: float,
@@ -1214,6 +1216,9 @@ def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_r
     remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
                                   shards_read, gate_samples))
     call_costs.remember_calls(cache_dir(), rates_key(spec, engine), call_costs.take(spec, engine))
+    if spec.mode == "generate":  # the next prediction of this corpus and prompt reads how long its answers ran
+        call_costs.remember_answers(cache_dir(), answers_key(spec), call_costs.take_answers(spec, engine),
+                                    spec.generation.max_tokens, "run")
     marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
     if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
         _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"])]

@@ -122,7 +122,10 @@ def _run_rows(engine: Engine, work: RowsWork, job: ResolvedJob, shard_id: str) -
     batches = _feed(work.token_ids, job.spec, engine.name, engine)
     calls: list[CallCost] = []
     results_by_batch, engine_seconds = run_batches(engine, batches, work.token_ids, job.spec, shard_id, calls)
-    observe(job.spec, engine.name, calls)  # for the next prediction's engine seconds (tokenmill.call_costs), stored with the run's parts
+    answers = ([int(getattr(g, "output_tokens", 0) or 0) for batch in results_by_batch for g in batch]
+               if job.spec.mode == "generate" and job.spec.generation.n == 1 else [])
+    # for the next prediction's engine seconds and answers (tokenmill.call_costs), stored with the run's parts
+    observe(job.spec, engine.name, calls, answers)
     return results_by_batch, engine_seconds, batches
 
 
