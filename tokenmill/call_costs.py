@@ -176,7 +176,7 @@ def read_answers(cache: Path, key: str) -> Answers | None:
 
 
 def remember_answers(cache: Path, key: str, answers: Sequence[int], cap: int, source: str) -> None:
-    """A run's or a calibration's answers for `key` (prediction.answers_key: the model, corpus and prompt).
+    """A run's or a calibration's answers for `key` (engine_choice.answers_key: the model, corpus and prompt).
     What was stored at a higher cap stays (its answers were cut less); at the same cap the newest replace it."""
     if not answers or cap <= 0:
         return

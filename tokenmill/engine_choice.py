@@ -398,11 +398,11 @@ def corpus_answers(spec: JobSpec, trials: list[EngineTrial]) -> tuple[list[int],
 
 def output_tokens_per_row(spec: JobSpec, trials: list[EngineTrial]) -> float:
     """Generation: the output tokens a job's row will have, from what generated this job's own corpus and
-    prompt here: its runs' or calibration's answers (corpus_answers), else its trials': their mean, or,
-    where the trial's outputs ran to the trial's cap (or nothing generated this corpus: another corpus's
-    answers say nothing of this one's), the job's own cap (0.9 of max_tokens, times n)."""
+    prompt here: the mean of its answers (corpus_answers); of trials that kept no answers (n > 1), their
+    output tokens a row, or, where those ran to the trial's cap (or nothing generated this corpus: another
+    corpus's answers say nothing of this one's), the job's own cap (0.9 of max_tokens, times n)."""
     measured = corpus_answers(spec, trials) if spec.generation.n == 1 else None
-    if measured is not None and measured[2] != "this corpus's trial":
+    if measured is not None:  # each answer, those cut at the cap they ran to taken to the job's
         answers, cap, _ = measured
         return statistics.fmean(call_costs.answer_lengths(answers, cap, spec.generation.max_tokens))
     trials = [t for t in trials if t.corpus == output_identity(spec)]
