@@ -10,7 +10,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from tokenmill import call_costs, prediction, progress, timeline
 from tokenmill.engines import engine_scope
 from tokenmill.flows.fleet import dispatch_to_pool
-from tokenmill.flows.gate import GateFailed, gate_flow
+from tokenmill.flows.gate import GateFailed, run_gate
 from tokenmill.gate import chosen_model
 from tokenmill.results import ShardResult
 from tokenmill.shards import ShardSpec
@@ -47,7 +47,7 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
         gate_report = None
         if spec.gate is not None:
             timeline.mark("gate_start")  # tokenmill.prediction: the gate's seconds, apart from the flow's start
-            gate_report = gate_flow(spec, record=False)
+            gate_report = run_gate(spec, record=False)  # its tasks in this flow run, not a subflow's
             timeline.mark("gate_verdict_kept" if gate_report.cached else "gate_measured")
             timeline.forget("engine_start", "engine_ready")  # the gate's engines'; the corpus's marks its own
             if gate_report.action == "fail":
