@@ -99,7 +99,12 @@ OVERHEAD = "shard overhead per 1,000 rows"
 # 1,000 short rows in one shard, 1.6 s for 8,000 in two), so 0.24 s on the reference machine (imports then read as 2.0 s, 1.3 s of CPU) that
 # machine_speed scales from. A stated figure: a run's own overhead is stored per 1,000 rows after it.
 PER_SHARD_SECONDS = 0.24
-CALL_SAMPLE_ROWS = 256  # generate: the rows whose lengths a job's calls are planned on (call_lengths)
+# The rows whose token lengths a job's engine seconds are read from (job_sample), by mode: more than the
+# trial's 256 (embed), whose tokens missed five of the bench's corpora by -6.1% to +7.6%, in every run (a
+# deterministic sample: the mixed corpus, rows of ~16 and ~256 tokens, 161,673 predicted, 150,192 computed),
+# where 2,048 rows' distinct inputs missed by -3.0% to +0.1%; generation's calls are planned on theirs (a
+# trial's 16 rows miss a corpus's long tail).
+LENGTH_SAMPLE_ROWS = {"embed": 2048, "generate": 256}
 # Per engine (and mode where they differ): start (the library's import included), exit, and tokens/s, for an
 # engine never measured here. Quiet 2-core CPU (bench/PREDICTION.md's trials and runs): vLLM's start 23-37 s
 # embedding MiniLM (its first on a machine the longest), 81 s generating with SmolLM2 (its import
@@ -228,14 +233,21 @@ class JobSample(BaseModel):
     left once identical inputs are computed once (1.0: not counted); rows_read: every row of those shards."""
     rows: int
     shards: int
-    lengths: list[int]
-    call_lengths: list[int] = []  # generate: a larger sample's lengths, the job's calls planned on (call_lengths)
+    lengths: list[int]  # the corpus's sample (LENGTH_SAMPLE_ROWS): its tokens, the job's calls planned on
+    distinct_lengths: list[int] = []  # the sample's distinct inputs': what a run that collapses them computes
+    trial_lengths: list[int] = []  # the engine trial's sample, as the trial computes it (trials_part)
     row_cache_share: float = 0.0
     finished_shards: int = 0
     distinct: float = 1.0
     distinct_source: str = ""
     rows_read: int = 0
     gate_kept: int = 0  # a gated embedding job: the gate's sample rows it computes and keeps in the row cache
+
+    def computed_lengths(self, collapsed: bool) -> list[int]:
+        """The lengths of the rows the engine computes: each input once where identical inputs are computed
+        once (the bench's mixed corpus repeats short rows: every sampled row's mean put 5.3% fewer tokens on
+        it than the engine computed, the distinct inputs' 3.0%)."""
+        return (self.distinct_lengths or self.lengths) if collapsed else self.lengths
 
     def rows_to_compute(self, collapsed: bool) -> int:
         return max(round(self.rows * (self.distinct if collapsed else 1.0)) - self.gate_kept, 0)
@@ -496,10 +508,10 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
     """The engine's seconds for the rows still to compute (identical inputs once, where the run collapses
     them on this engine), and their tokens."""
     points = rate_points(spec, engine, parts or {}, trials, gate_rate)
-    lengths = sample.lengths or [1]
     out_per_row = (output_tokens_per_row(spec, [t for _, t in trials if t.engine == engine])
                    if spec.mode == "generate" else 0.0)
     collapsed = sample.distinct < 1.0 and bypass_reason(spec, engine) is None
+    lengths = sample.computed_lengths(collapsed) or [1]
     row_share = sample.rows_to_compute(collapsed) / len(lengths)
     tokens = row_share * sum(n + out_per_row for n in lengths)
     repeats = f"; {sample.distinct_source}" if collapsed else ""
@@ -556,7 +568,7 @@ def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed:
     answers, answered = job_answers(spec, trials)
     rows = sample.rows_to_compute(collapsed)
     seconds, calls, steps = call_costs.job_seconds(
-        coefficients, lambda lengths: plan_feed(lengths, spec, engine), sample.call_lengths or sample.lengths or [1],
+        coefficients, lambda lengths: plan_feed(lengths, spec, engine), sample.computed_lengths(collapsed) or [1],
         rows, sample.shards, engine_pads(engine), answers, spec.batching.max_batch_size)
     return Part(name="engine", seconds=seconds, source=(
         f"{calls:,} calls of {steps:.0f} steps on average, at {call_costs.describe_fit(coefficients)} ({engine}: "
@@ -586,23 +598,19 @@ def job_sample(spec: JobSpec) -> JobSample:
     done = finished_shards(spec, shards)
     rows = rows_per_shard(spec, shards)
     todo = [(s, n) for s, n in zip(shards, rows) if s.shard_id not in done]
-    lengths = [len(r) for r in trial_rows(spec, resolve_model(spec.model_name))]
-    calls_from = call_lengths(spec) if spec.mode == "generate" else []
+    model_path = resolve_model(spec.model_name)
+    trial = [len(r) for r in trial_rows(spec, model_path)]
+    sampled = trial_rows(spec, model_path, LENGTH_SAMPLE_ROWS[spec.mode])
+    lengths = [len(r) for r in sampled]
+    distinct_lengths = [len(r) for r in dict.fromkeys(tuple(r) for r in sampled)]
     share = 0.0
     if todo and spec.cache.enabled and _row_cache_exists(spec):
-        share, _ = row_cache_share(spec, [s for s, _ in todo], [n for _, n in todo], len(lengths))
+        share, _ = row_cache_share(spec, [s for s, _ in todo], [n for _, n in todo], len(trial))
     rows_read = sum(n for _, n in todo)
     distinct, counted = distinct_share(spec, [s for s, _ in todo])
-    return JobSample(rows=round(rows_read * (1.0 - share)), shards=len(todo), lengths=lengths, call_lengths=calls_from,
+    return JobSample(rows=round(rows_read * (1.0 - share)), shards=len(todo), lengths=lengths, distinct_lengths=distinct_lengths, trial_lengths=trial,
                      row_cache_share=share, finished_shards=len(done), distinct=distinct,
                      distinct_source=counted, rows_read=rows_read)
-
-
-def call_lengths(spec: JobSpec) -> list[int]:
-    """Generate: the token lengths of a larger sample than the trial's (CALL_SAMPLE_ROWS), that the job's calls
-    are planned on: a trial's 16 rows miss a corpus's long tail, and its longest rows make calls of their own
-    (a job of 96 rows ran 16 calls where the trial's sample planned 11)."""
-    return [len(r) for r in trial_rows(spec, resolve_model(spec.model_name), CALL_SAMPLE_ROWS)]
 
 
 def distinct_share(spec: JobSpec, shards) -> tuple[float, str]:
@@ -800,10 +808,10 @@ def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: l
     tokens at the engine's rate at the sample's length (the curve its trials and runs measured), plus what
     the trials cost besides (the sample's reading and encoding, closing an engine: measured here, the
     trials' span less each engine's whole trial). An engine never measured here: its stated defaults."""
-    mean = statistics.fmean(sample.lengths or [1])
+    mean = statistics.fmean(sample.trial_lengths or sample.lengths or [1])
     each, defaults = [], 0
     for engine in trial_order(able):
-        tokens = trial_tokens(spec, sample.lengths, engine)
+        tokens = trial_tokens(spec, sample.trial_lengths or sample.lengths, engine)
         start, start_source = measured_start(spec, engine, parts, trials)
         points = rate_points(spec, engine, parts, trials)
         out_per_row = (output_tokens_per_row(spec, [t for _, t in trials if t.engine == engine])
