@@ -141,14 +141,22 @@ def remember_calls(cache: Path, key: str, calls: Sequence[CallCost]) -> None:
     """Appended to `key`'s last KEEP_CALLS calls (key: prediction.rates_key, the engine, device and family)."""
     if not calls:
         return
-    path = _path(cache)
+
+    def add(stored: dict) -> None:
+        stored[key] = (stored.get(key, []) + [c.model_dump() for c in calls])[-KEEP_CALLS:]
+
+    _rewrite(_path(cache), add)
+
+
+def _rewrite(path: Path, change) -> None:
+    """The JSON object in `path` (empty where there is none), changed in place by `change`, written whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         stored = {}
-    stored[key] = (stored.get(key, []) + [c.model_dump() for c in calls])[-KEEP_CALLS:]
-    temporary = path.with_name(f".engine-calls.{os.getpid()}.{threading.get_ident()}.tmp")
+    change(stored)
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
     temporary.write_text(json.dumps(stored))
     temporary.replace(path)  # atomic: a concurrent reader sees old or new
 
@@ -180,20 +188,15 @@ def remember_answers(cache: Path, key: str, answers: Sequence[int], cap: int, so
     What was stored at a higher cap stays (its answers were cut less); at the same cap the newest replace it."""
     if not answers or cap <= 0:
         return
-    path = _answers_path(cache)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        stored = {}
-    held = stored.get(key)
-    if isinstance(held, dict) and held.get("cap", 0) > cap:
-        return
     step = max(1, math.ceil(len(answers) / KEEP_ANSWERS))  # evenly spaced over the run's shards
-    stored[key] = Answers(answers=[int(n) for n in answers][::step], cap=cap, source=source).model_dump()
-    temporary = path.with_name(f".generation-answers.{os.getpid()}.{threading.get_ident()}.tmp")
-    temporary.write_text(json.dumps(stored))
-    temporary.replace(path)  # atomic: a concurrent reader sees old or new
+    kept = Answers(answers=[int(n) for n in answers][::step], cap=cap, source=source).model_dump()
+
+    def keep(stored: dict) -> None:
+        held = stored.get(key)
+        if not (isinstance(held, dict) and held.get("cap", 0) > cap):
+            stored[key] = kept
+
+    _rewrite(_answers_path(cache), keep)
 
 
 # ---- the fit ---------------------------------------------------------------------------------------------

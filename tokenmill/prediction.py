@@ -608,7 +608,8 @@ def job_sample(spec: JobSpec) -> JobSample:
         share, _ = row_cache_share(spec, [s for s, _ in todo], [n for _, n in todo], len(trial))
     rows_read = sum(n for _, n in todo)
     distinct, counted = distinct_share(spec, [s for s, _ in todo])
-    return JobSample(rows=round(rows_read * (1.0 - share)), shards=len(todo), lengths=lengths, distinct_lengths=distinct_lengths, trial_lengths=trial,
+    return JobSample(rows=round(rows_read * (1.0 - share)), shards=len(todo), lengths=lengths,
+                     distinct_lengths=distinct_lengths, trial_lengths=trial,
                      row_cache_share=share, finished_shards=len(done), distinct=distinct,
                      distinct_source=counted, rows_read=rows_read)
 
