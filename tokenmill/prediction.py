@@ -163,7 +163,7 @@ DISTINCT_ROWS_READ = 1_000_000  # rows read to count identical inputs; beyond th
 KEEP_LAST = 5
 # An eval gate never measured here: each model's start and the sample at its rate (the engines' defaults), and
 # this for the rest (the sample's reading, the metrics, closing an engine). A gate whose verdict this machine
-# kept starts no engine: it reads the sample and judges it again, two tasks in the job's flow run (0.07-0.09 s
+# kept starts no engine: it reads the sample and judges it again, two tasks of the job's own flow (0.07-0.09 s
 # on a quiet 2-core Xeon; 1.1-3.3 s there while the gate was a subflow: flows/gate.py run_gate).
 GATE_BESIDES_SECONDS = 1.0
 GATE_VERDICT_KEPT_SECONDS = 0.1
