@@ -81,13 +81,18 @@ def test_the_run_measured_its_parts_and_the_next_prediction_reads_them(job_a, mo
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(job_a["cache"]))
     stored = json.loads((job_a["cache"] / "run-parts.json").read_text())
     key = prediction.fixed_key(PrefectJob.model_validate(job_a["job"]), "transformers")
-    assert {"python imports", "orchestrator API", "main thread", "flow start", "shard overhead per 1,000 rows",
+    assert {"python imports", "orchestrator API", prediction.MAIN, "flow start", "shard overhead per 1,000 rows",
             "finish", "exit"} <= set(stored[key])
+    # the prediction's reading of the sample, apart from the rest of the main thread: beside the tokens it read
+    reading = stored[prediction.reading_key("embed")]
+    assert len(reading[prediction.READING]) == len(reading[prediction.READ_TOKENS]) == 1
+    assert reading[prediction.READ_TOKENS][0] > 48  # 48 rows, every one sampled for both samples
     again = prediction.predict_job(PrefectJob.model_validate(job_a["job"]))
     for name in ("python imports", "engine start", "finish", "exit"):
         assert again.part(name).source.startswith(("measured here", "transformers: measured here")), name
     assert not again.part("orchestration start").is_default  # each of its parts measured by the run
     assert again.part("orchestration start").source.count("measured here") == 3
+    assert "reading the sample" in again.part("orchestration start").source
 
 
 def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_path):
@@ -194,7 +199,9 @@ def test_orchestration_start_is_what_the_engines_start_does_not_hide():
     long start predict transformers' short one, and the reverse."""
     from tokenmill.prediction import orchestration_part
 
-    parts = {"here|vllm|embed": {"orchestrator API": [10.0], "main thread": [3.0], "flow start": [1.0]}}
+    from tokenmill.prediction import MAIN
+
+    parts = {"here|vllm|embed": {"orchestrator API": [10.0], MAIN: [3.0], "flow start": [1.0]}}
     assert orchestration_part(parts, "here|vllm|embed", 40.0).seconds == pytest.approx(3.0 + 1.0)
     assert orchestration_part(parts, "here|transformers|embed", 0.2).seconds == pytest.approx(10.0 - 0.2 + 1.0)
     assert "measured here on vllm" in orchestration_part(parts, "here|transformers|embed", 0.2).source
@@ -272,15 +279,36 @@ def test_first_run_trials_are_each_engine_from_its_measured_parts(monkeypatch):
     assert none.is_default and none.seconds > transformers + prediction.default_start("vllm", "embed")
 
 
+def test_the_samples_reading_follows_the_tokens_it_reads_from_runs_here():
+    """The prediction reads the job's sample on the main thread: what that takes grows with the tokens read
+    (long rows, a larger sample), so it is its own part, read off the runs here by the tokens each read."""
+    from tokenmill import prediction
+    from tokenmill.prediction import MAIN, READ_TOKENS, READING, orchestration_part, reading_key, reading_part
+
+    key = reading_key("embed")
+    one = {key: {READING: [0.2], READ_TOKENS: [20_000.0]}}
+    seconds, source = reading_part(one, "embed", 200_000)  # one run: its seconds, the rest at the default rate
+    factor, _ = prediction.machine_speed()
+    assert seconds == pytest.approx(0.2 + 180_000 * prediction.DEFAULT_READING_PER_TOKEN * factor)
+    assert "a run here read 20,000" in source and "default" in source
+    two = {key: {READING: [0.2, 0.6], READ_TOKENS: [20_000.0, 220_000.0]}}
+    seconds, source = reading_part(two, "embed", 120_000)  # two runs far apart: the line through them
+    assert seconds == pytest.approx(0.4) and "line through 2 runs" in source
+    assert reading_part({}, "generate", 1_000)[1].startswith("default: never measured here")
+    parts = {"here|transformers|embed": {"orchestrator API": [1.0], MAIN: [2.0], "flow start": [0.0]}}
+    part = orchestration_part(parts, "here|transformers|embed", 0.0, (seconds, source))
+    assert part.seconds == pytest.approx(2.4) and "reading the sample 0.4 s" in part.source
+
+
 def test_the_main_thread_of_a_run_with_trials_stands_in_until_a_warm_run_measures_it():
     """A first run's main thread (generation's includes transformers' import for the chat template, 6-15 s)
     is stored apart from a warm run's, and read only where no warm run measured it."""
-    from tokenmill.prediction import MAIN_BESIDE_TRIAL, orchestration_part
+    from tokenmill.prediction import MAIN, MAIN_BESIDE_TRIAL, orchestration_part
 
     first = {"here|vllm|generate": {"orchestrator API": [3.0], MAIN_BESIDE_TRIAL: [12.0], "flow start": [0.5]}}
     part = orchestration_part(first, "here|transformers|generate", 0.5)
     assert part.seconds == pytest.approx(12.0 + 0.5) and "in runs with trials" in part.source
-    warm = {"here|transformers|generate": {"main thread": [9.0]}, **first}
+    warm = {"here|transformers|generate": {MAIN: [9.0]}, **first}
     assert orchestration_part(warm, "here|transformers|generate", 0.5).seconds == pytest.approx(9.0 + 0.5)
 
 

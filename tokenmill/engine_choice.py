@@ -43,7 +43,7 @@ from tokenmill.openai_batch import input_mode
 from tokenmill.call_costs import CallCost
 from tokenmill.runner import engine_pads, plan_feed, run_batches
 from tokenmill.versions import library_versions
-from tokenmill.sampling import corpus_sample
+from tokenmill.sampling import corpus_samples
 from tokenmill.spec import ONNX_QUANTIZATIONS, JobSpec, transformers_unsupported
 
 log = logging.getLogger(__name__)
@@ -423,15 +423,17 @@ def engine_trials(spec: JobSpec) -> list[tuple[float, EngineTrial]]:
             if not t.get("error")]
 
 
-def trials_cached(spec: JobSpec) -> bool:
-    """Whether choosing for this spec needs no new trial (its figures are cached, or there is one engine)."""
+def trials_cached(spec: JobSpec, mean_tokens: float | None = None) -> bool:
+    """Whether choosing for this spec needs no new trial (its figures are cached, or there is one engine).
+    mean_tokens: the trial's rows' mean, where the caller read them already (else they are read here)."""
     able, _ = runnable_engines(spec)
     if len(able) < 2 or _process_key(spec) in _chosen:
         return True
     model_path = resolve_model(spec.model_name)
-    rows = trial_rows(spec, model_path)
     device = device_label()
-    mean_tokens = sum(len(r) for r in rows) / max(len(rows), 1)
+    if mean_tokens is None:
+        rows = trial_rows(spec, model_path)
+        mean_tokens = sum(len(r) for r in rows) / max(len(rows), 1)
     cache = _read_cache()
     entry = cache.get(trial_key(spec, model_path, device, mean_tokens))
     if entry is not None and {t["engine"] for t in entry["trials"]} >= set(able):
@@ -442,10 +444,19 @@ def trials_cached(spec: JobSpec) -> bool:
 def trial_rows(spec: JobSpec, model_path: str, rows: int | None = None) -> list[list[int]]:
     """The job's sample (the trial's, TRIAL_ROWS, unless `rows` says how many) as token ids, as the runner
     would encode it (overlong rows left out)."""
-    texts, _ = corpus_sample(spec, rows or TRIAL_ROWS[spec.mode])
-    encoded = encode_rows(texts, spec, model_path)
-    overlong = {j for j, _ in encoded.overlong}
-    return [r for i, r in enumerate(encoded.token_ids) if i not in overlong]
+    (ids,) = sample_rows(spec, model_path, [rows or TRIAL_ROWS[spec.mode]])
+    return ids
+
+
+def sample_rows(spec: JobSpec, model_path: str, sizes: list[int]) -> list[list[list[int]]]:
+    """trial_rows at each of `sizes`, from one read of the corpus, a row in several of them encoded once."""
+    samples, picks = corpus_samples(spec, sizes)
+    rows = {at: row for pick, sample in zip(picks, samples) for at, row in zip(pick, sample)}
+    positions = list(rows)
+    encoded = encode_rows([rows[at] for at in positions], spec, model_path)
+    overlong = {positions[j] for j, _ in encoded.overlong}
+    ids = dict(zip(positions, encoded.token_ids))
+    return [[ids[at] for at in pick if at not in overlong] for pick in picks]
 
 
 def _reason(best: EngineTrial, good: list[EngineTrial], predicted: dict[str, float], job_tokens: float | None,

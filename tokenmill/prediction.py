@@ -49,6 +49,7 @@ from tokenmill import call_costs, timeline
 from tokenmill.device import core_gflops, device_label, usable_cores
 from tokenmill.engine_choice import (
     TRIAL_MAX_TOKENS,
+    TRIAL_ROWS,
     answers_key,
     cache_dir,
     corpus_answers,
@@ -56,8 +57,8 @@ from tokenmill.engine_choice import (
     length_class,
     output_tokens_per_row,
     runnable_engines,
+    sample_rows,
     trial_family,
-    trial_rows,
     trials_cached,
 )
 from tokenmill.digest import stable_digest
@@ -78,9 +79,11 @@ from tokenmill.spec import JobSpec
 # For a part never measured on this machine: seconds (per 1,000 rows where the name says so), stated
 # with the prediction. What a quiet 2-core CPU (CI's machine type) measured in bench/PREDICTION.md's runs
 # (API 2.8-3.4 s, imports 1.3-1.4 s, main thread 1.8-2.6 s embedding and 6-7 s generating, flow start
-# 0.2-0.3 s); on a loaded one the API takes 10-15 s. A GPU host's differ: there they are guesses.
+# 0.2-0.3 s); on a loaded one the API takes 10-15 s. A GPU host's differ: there they are guesses. The main
+# thread's is besides the reading of the job's sample (READING): 1.6-1.8 s on a quiet 2-core Xeon.
+MAIN = "main thread besides the sample"
 DEFAULT_SECONDS = {
-    "python imports": 1.4, "orchestrator API": 3.5, "main thread": 3.0, "flow start": 0.3,
+    "python imports": 1.4, "orchestrator API": 3.5, MAIN: 1.8, "flow start": 0.3,
     "shard overhead per 1,000 rows": 0.6, "index build per 1,000 rows": 1.0, "finish": 0.1,
 }
 # The shard overhead's default is per 1,000 rows of ~256 tokens (length class 8), in proportion to the rows'
@@ -90,9 +93,18 @@ OVERHEAD_DEFAULT_LENGTH = 8
 # engine stand for another never measured. Not the exit, which holds the engine's own shutdown.
 # The main thread's work measured in a run that paid for trials (less the trials and its wait for the API):
 # it ran beside less of the API's start than a warm run's does, so it stands in only where no warm run
-# measured "main thread" (generation's is 6-15 s: transformers' import for the chat template).
-MAIN_BESIDE_TRIAL = "main thread, a run with trials"
+# measured MAIN.
+MAIN_BESIDE_TRIAL = f"{MAIN}, a run with trials"
 AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL}
+# The prediction reads and tokenizes the job's sample on the main thread (job_sample), inside what the API's
+# start overlaps: seconds that grow with the tokens it reads (0.14 s for 1,000 rows of ~19 tokens, 0.48 s
+# for 500 of ~255 on a quiet 2-core Xeon, in the run's own process), on top of loading the tokenizer
+# (generation's loads transformers for the chat template: 3.5-3.9 s there). Stored per device and mode,
+# each run's seconds beside the tokens it read (READ_TOKENS), and read as the line through them; never
+# measured, these at machine speed 1.
+READING, READ_TOKENS = "reading the sample", "tokens the sample read"
+DEFAULT_READING = {"embed": 0.08, "generate": 3.6}
+DEFAULT_READING_PER_TOKEN = 2.1e-6
 OVERHEAD = "shard overhead per 1,000 rows"
 # Each shard is a Prefect task: its run, state and persisted result cost about this much whatever its rows.
 # Measured 0.45 s a shard on a machine whose imports took 3.8 s (bench/PREDICTION.md's runs: 0.56 s for
@@ -242,6 +254,7 @@ class JobSample(BaseModel):
     distinct_source: str = ""
     rows_read: int = 0
     gate_kept: int = 0  # a gated embedding job: the gate's sample rows it computes and keeps in the row cache
+    read_tokens: int = 0  # the tokens of the rows read for this sample (both samples'): what READING grows with
 
     def computed_lengths(self, collapsed: bool) -> list[int]:
         """The lengths of the rows the engine computes: each input once where identical inputs are computed
@@ -599,8 +612,14 @@ def job_sample(spec: JobSpec) -> JobSample:
     rows = rows_per_shard(spec, shards)
     todo = [(s, n) for s, n in zip(shards, rows) if s.shard_id not in done]
     model_path = resolve_model(spec.model_name)
-    trial = [len(r) for r in trial_rows(spec, model_path)]
-    sampled = trial_rows(spec, model_path, LENGTH_SAMPLE_ROWS[spec.mode])
+    first = "sample_read_start" not in timeline.marks()  # a run's is its prediction's, on its main thread
+    timeline.mark("sample_read_start")
+    trial_ids, sampled = sample_rows(spec, model_path, [TRIAL_ROWS[spec.mode], LENGTH_SAMPLE_ROWS[spec.mode]])
+    timeline.mark("sample_read_done")
+    trial = [len(r) for r in trial_ids]
+    read_tokens = sum(trial) + sum(len(r) for r in sampled)
+    if first:
+        _sample_read[:] = [read_tokens]
     lengths = [len(r) for r in sampled]
     distinct_lengths = [len(r) for r in dict.fromkeys(tuple(r) for r in sampled)]
     share = 0.0
@@ -611,7 +630,10 @@ def job_sample(spec: JobSpec) -> JobSample:
     return JobSample(rows=round(rows_read * (1.0 - share)), shards=len(todo), lengths=lengths,
                      distinct_lengths=distinct_lengths, trial_lengths=trial,
                      row_cache_share=share, finished_shards=len(done), distinct=distinct,
-                     distinct_source=counted, rows_read=rows_read)
+                     distinct_source=counted, rows_read=rows_read, read_tokens=read_tokens)
+
+
+_sample_read: list[int] = []  # the tokens this process's first sample read (READ_TOKENS): a run's prediction's
 
 
 def distinct_share(spec: JobSpec, shards) -> tuple[float, str]:
@@ -739,13 +761,15 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
     engine, why = predicted_engine(spec, sample, trials)
     fixed = fixed_key(spec, engine)
     able = runnable_engines(spec)[0]
-    trial_runs = spec.model.engine == "auto" and len(able) > 1 and not trials_cached(spec)
+    trial_runs = spec.model.engine == "auto" and len(able) > 1 and not trials_cached(
+        spec, statistics.fmean(sample.trial_lengths) if sample.trial_lengths else None)
     if trial_runs and engine == trial_order(able)[-1]:
         start = Part(name="engine start", seconds=0.0, source=f"{engine}: kept open from its trial")
     else:
         start = engine_start_part(spec, engine, sample, parts, trials, gate_makes)
     out = [Part(name="python imports", **_seconds(parts, fixed, "python imports")),
-           orchestration_part(parts, fixed, 0.0 if trial_runs or not early_start else start.seconds)]
+           orchestration_part(parts, fixed, 0.0 if trial_runs or not early_start else start.seconds,
+                              reading_part(parts, spec.mode, sample.read_tokens))]
     if trial_runs:
         out.append(trials_part(spec, sample, parts, able, trials, kept=engine == trial_order(able)[-1]))
     engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts, gate_rate)
@@ -779,21 +803,53 @@ def collapses(spec: JobSpec, engine: str, sample: JobSample) -> bool:
     return sample.distinct < 1.0 and bypass_reason(spec, engine) is None
 
 
-def orchestration_part(parts: dict[str, Any], key: str, engine_start: float) -> Part:
+def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
+                       reading: tuple[float, str] = (0.0, "")) -> Part:
     """Prefect's API starts in its own process beside the main thread's work (the flow's imports, this
-    prediction, MLflow's store) and the engine's start (`engine_start`: the start it overlaps; 0 when a
-    trial runs first, which waits for the API), then the flow starts: what of it the engine's start does
-    not hide."""
-    api, main, flow = (_seconds(parts, key, name) for name in ("orchestrator API", "main thread", "flow start"))
+    prediction and its reading of the job's sample (`reading`: seconds, source), MLflow's store) and the
+    engine's start (`engine_start`: the start it overlaps; 0 when a trial runs first, which waits for the
+    API), then the flow starts: what of it the engine's start does not hide."""
+    api, main, flow = (_seconds(parts, key, name) for name in ("orchestrator API", MAIN, "flow start"))
     if main["source"].startswith("default"):
         beside, source = stored(parts, key, MAIN_BESIDE_TRIAL, None)
         if beside is not None:
             main = {"seconds": beside, "source": f"{source}, in runs with trials"}
-    seconds = max(api["seconds"], main["seconds"] + engine_start) - engine_start + flow["seconds"]
+    read, read_source = reading
+    thread = main["seconds"] + read
+    seconds = max(api["seconds"], thread + engine_start) - engine_start + flow["seconds"]
     return Part(name="orchestration start", seconds=seconds, source=(
-        f"API {api['seconds']:.1f} s ({api['source']}) beside main thread {main['seconds']:.1f} s "
-        f"({main['source']}) + engine start {engine_start:.1f} s; flow start {flow['seconds']:.1f} s "
-        f"({flow['source']})"))
+        f"API {api['seconds']:.1f} s ({api['source']}) beside main thread {thread:.1f} s ({main['seconds']:.1f} s "
+        f"{main['source']}" + (f"; reading the sample {read:.1f} s, {read_source}" if read_source else "")
+        + f") + engine start {engine_start:.1f} s; flow start {flow['seconds']:.1f} s ({flow['source']})"))
+
+
+def reading_key(mode: str) -> str:
+    return f"{device_label()}|reading|{mode}"
+
+
+def reading_part(parts: dict[str, Any], mode: str, tokens: int) -> tuple[float, str]:
+    """The seconds the prediction reads the job's sample in (READING), `tokens` read: on the line through the
+    runs' here (seconds against the tokens each read) once they read at least twice as many tokens as one
+    another; else the nearest run's seconds, the tokens it did not read at the default rate; else the default."""
+    entry = parts.get(reading_key(mode), {})
+    runs = list(zip(entry.get(READ_TOKENS, []), entry.get(READING, [])))
+    factor, speed = machine_speed()
+    per_token = DEFAULT_READING_PER_TOKEN * factor
+    if not runs:
+        return (DEFAULT_READING[mode] * factor + tokens * per_token, (
+            f"default: never measured here, {DEFAULT_READING[mode]:g} s + {DEFAULT_READING_PER_TOKEN * 1e6:g} us "
+            f"a token{speed}, {tokens:,} tokens"))
+    xs, ys = [float(t) for t, _ in runs], [y for _, y in runs]
+    if max(xs) >= 2 * max(min(xs), 1.0):
+        mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+        slope = max(sum((x - mean_x) * (y - mean_y) for x, y in runs) / sum((x - mean_x) ** 2 for x in xs), 0.0)
+        base = mean_y - slope * mean_x
+        return max(base + slope * tokens, 0.0), (
+            f"{tokens:,} tokens on the line through {len(runs)} runs here ({base:.2f} s + {slope * 1e6:.2f} us a token)")
+    near_tokens, near_seconds = min(runs, key=lambda r: abs(math.log(max(r[0], 1)) - math.log(max(tokens, 1))))
+    return max(near_seconds + (tokens - near_tokens) * per_token, 0.0), (
+        f"{tokens:,} tokens: a run here read {near_tokens:,.0f} in {near_seconds:.2f} s, the difference at the "
+        f"default {DEFAULT_READING_PER_TOKEN * 1e6:g} us a token{speed}")
 
 
 def trial_overhead_name(kept: bool) -> str:
@@ -1128,12 +1184,15 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         prepare -= _span(marks, "engine_start", "engine_ready")  # the engine started in the first shard: its own part
     index = _span(marks, "index_start", "index_done")
     gate = _span(marks, "gate_start", "gate_verdict_kept" if "gate_verdict_kept" in marks else "gate_measured")
+    # the prediction's reading of the job's sample, on the main thread: its own part (READING), by its tokens
+    reading = (_span(marks, "sample_read_start", "sample_read_done") if _sample_read and marks.get(
+        "cli_ready", math.inf) <= marks.get("sample_read_start", 0.0) <= marks["tracking_warm"] else 0.0)
     fixed: dict[str, float] = {
         "python imports": _span(marks, "process", "cli_ready"),
         "orchestrator API": _span(marks, "api_start", "api_ready"),
         # with a trial, the main thread's work ran beside less of the API's start: stored apart (see MAIN_BESIDE_TRIAL)
-        (MAIN_BESIDE_TRIAL if trials_ran else "main thread"):
-            _span(marks, "cli_ready", "tracking_warm") - trials - waited - early,
+        (MAIN_BESIDE_TRIAL if trials_ran else MAIN):
+            _span(marks, "cli_ready", "tracking_warm") - trials - waited - early - reading,
         "flow start": _span(marks, "flow_called", "first_engine_call") - prepare - gate,
         "finish": _span(marks, "shards_done", "record_started") - index}
     engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
@@ -1148,6 +1207,8 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     if index and engine_rows > 0:
         fixed["index build per 1,000 rows"] = index / engine_rows * 1000
     out = {fixed_key(spec, engine): fixed, **(_gate_parts(spec, marks, gate_samples) if gate else {})}
+    if reading:
+        out[reading_key(spec.mode)] = {READING: reading, READ_TOKENS: float(_sample_read[0])}
     imports = command_imports_cpu()
     if imports is not None:  # the machine's speed (machine_speed): every run's command imports, any job
         out[machine_key()] = {IMPORTS_CPU: imports}

@@ -16,7 +16,25 @@ def corpus_sample(spec: JobSpec, rows: int, seed: int = 0, eval_file: str | None
     tokenmill.prompts.prompt_inputs): an eval file's, or N of the corpus's first 4N valid rows, chosen by
     a hash of their id (the same corpus gives the same sample however it is sharded, without
     reading the whole corpus). Returns (texts, a description of where they came from)."""
-    source = eval_file or spec.input
+    if eval_file is not None:
+        pool = _pool(spec, eval_file, None)
+        chosen = _choose(pool, rows, seed)
+        return [pool[i][1] for i in chosen], f"eval file {eval_file}"
+    (texts,), _ = corpus_samples(spec, [rows], seed)
+    return texts, f"{len(texts)} corpus rows by id hash"
+
+
+def corpus_samples(spec: JobSpec, sizes: list[int], seed: int = 0) -> tuple[list[list], list[list[int]]]:
+    """corpus_sample's texts for each of `sizes`, from one read of the corpus (each N of its first 4N valid
+    rows, chosen as corpus_sample chooses them), and each sample's rows as positions in what was read: a
+    row in two samples is one position, so a caller encodes it once."""
+    pool = _pool(spec, spec.input, 4 * max(sizes))
+    picks = [_choose(pool[: 4 * n], n, seed) for n in sizes]
+    return [[pool[i][1] for i in pick] for pick in picks], picks
+
+
+def _pool(spec: JobSpec, source: str, limit: int | None) -> list[tuple[str, Any]]:
+    """(id, text) of the source's valid rows, in shard order: its first `limit` (all of them: None)."""
     shards = discover_shards_for(spec, source)
     pool: list[tuple[str, Any]] = []
     # the columns prompts are made of; a row is its text, or a mapping for encode_rows (see prompt_inputs)
@@ -25,16 +43,16 @@ def corpus_sample(spec: JobSpec, rows: int, seed: int = 0, eval_file: str | None
         table, _ = read_shard(shard, read_columns(job), spec.storage_options)
         valid = validate_job_rows(table, shard.uri, job).valid
         pool += list(zip([str(i) for i in valid.column(spec.id_column).to_pylist()], prompt_inputs(valid, job)))
-        if eval_file is None and len(pool) >= 4 * rows:
+        if limit is not None and len(pool) >= limit:
             break
     if not pool:
         raise InputError(source, "no valid rows to sample")
-    if eval_file is None:
-        pool = pool[: 4 * rows]
+    return pool if limit is None else pool[:limit]
 
-    def rank(item: tuple[str, Any]) -> str:
-        return hashlib.sha256(f"{seed}:{item[0]}".encode()).hexdigest()
 
-    chosen = sorted(pool, key=rank)[:rows]
-    label = f"eval file {eval_file}" if eval_file else f"{len(chosen)} corpus rows by id hash"
-    return [text for _, text in chosen], label
+def _choose(pool: list[tuple[str, Any]], rows: int, seed: int) -> list[int]:
+    """The positions of `rows` rows of the pool, by a hash of their id."""
+    def rank(i: int) -> str:
+        return hashlib.sha256(f"{seed}:{pool[i][0]}".encode()).hexdigest()
+
+    return sorted(range(len(pool)), key=rank)[:rows]
