@@ -72,10 +72,15 @@ def call_shape(pads: bool, lengths: Sequence[int], longest_answer: float, answer
     return CallCost(rows=rows, input_slots=sum(lengths), steps=steps, output_slots=answers_total, seconds=seconds)
 
 
+def output_tokens(result: Any) -> int:
+    """An engine result's generated tokens (0 for an embedding, or a result that does not count them)."""
+    return int(getattr(result, "output_tokens", 0) or 0)
+
+
 def call_cost(pads: bool, lengths: Sequence[int], outputs: Sequence[Any], seconds: float,
               concurrency: int) -> CallCost:
     """The measured shape of one generation call whose results are `outputs`."""
-    answers = [int(getattr(g, "output_tokens", 0) or 0) for g in outputs]
+    answers = [output_tokens(g) for g in outputs]
     return call_shape(pads, lengths, max(answers, default=0), sum(answers), concurrency, seconds)
 
 

@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from tokenmill.call_costs import output_tokens
 from tokenmill.device import CPU_ONLY_ENGINES
 from tokenmill.digest import stable_digest
 from tokenmill.embedding import read_pooling
@@ -540,7 +541,7 @@ class RowReuse:
         what was saved, and stores the new entries."""
         if len(computed) != len(self.compute):
             raise ValueError(f"{len(computed)} results for {len(self.compute)} rows computed")
-        computed_tokens = sum(len(self.token_ids[i]) + _output_tokens(r) for i, r in zip(self.compute, computed))
+        computed_tokens = sum(len(self.token_ids[i]) + output_tokens(r) for i, r in zip(self.compute, computed))
         seconds_per_token = engine_seconds / computed_tokens if computed_tokens else 0.0
         results: list = []
         first_of = set(self.compute)
@@ -555,11 +556,11 @@ class RowReuse:
                 result = computed[index]
                 results.append(result)
                 if position not in first_of:  # a copy of an identical row's output
-                    tokens = len(self.token_ids[position]) + _output_tokens(result)
+                    tokens = len(self.token_ids[position]) + output_tokens(result)
                     self.tokens_saved += tokens
                     self.engine_seconds_saved += tokens * seconds_per_token
         if self.cache is not None and self.keys is not None:
-            entries = [Entry(self.keys[i], r, len(self.token_ids[i]), _output_tokens(r))
+            entries = [Entry(self.keys[i], r, len(self.token_ids[i]), output_tokens(r))
                        for i, r in zip(self.compute, computed)]
             if self.cache.write(entries, seconds_per_token) is not None and self.max_bytes is not None:
                 self.cache.evict(self.max_bytes)
@@ -615,17 +616,13 @@ def keep_sample_rows(spec: JobSpec, model_path: str, engine_name: str, token_ids
     fresh = {key: i for i, key in enumerate(keys) if key not in cache.contains(keys)}
     if not fresh:
         return 0
-    tokens = sum(len(ids) + _output_tokens(r) for ids, r in zip(token_ids, outputs))
-    entries = [Entry(key, outputs[i], len(token_ids[i]), _output_tokens(outputs[i])) for key, i in fresh.items()]
+    tokens = sum(len(ids) + output_tokens(r) for ids, r in zip(token_ids, outputs))
+    entries = [Entry(key, outputs[i], len(token_ids[i]), output_tokens(outputs[i])) for key, i in fresh.items()]
     if cache.write(entries, engine_seconds / tokens if tokens else 0.0) is None:
         return 0
     if spec.cache.max_bytes is not None:
         cache.evict(spec.cache.max_bytes)
     return len(entries)
-
-
-def _output_tokens(result: Any) -> int:
-    return int(getattr(result, "output_tokens", 0) or 0)
 
 
 def cached_token_share(spec: JobSpec, model_path: str, engine_names: Sequence[str],

@@ -22,7 +22,7 @@ from tokenmill.bucketing import (
     plan_batches,
     restore_order,
 )
-from tokenmill.call_costs import CallCost, call_cost, observe
+from tokenmill.call_costs import CallCost, call_cost, observe, output_tokens
 from tokenmill.encoding import EncodedRows, encode_rows
 from tokenmill.engine_protocol import Engine, run_engine, token_budget
 from tokenmill.memory import HeapGuard
@@ -122,7 +122,7 @@ def _run_rows(engine: Engine, work: RowsWork, job: ResolvedJob, shard_id: str) -
     batches = _feed(work.token_ids, job.spec, engine.name, engine)
     calls: list[CallCost] = []
     results_by_batch, engine_seconds = run_batches(engine, batches, work.token_ids, job.spec, shard_id, calls)
-    answers = ([int(getattr(g, "output_tokens", 0) or 0) for batch in results_by_batch for g in batch]
+    answers = ([output_tokens(g) for batch in results_by_batch for g in batch]
                if job.spec.mode == "generate" and job.spec.generation.n == 1 else [])
     # for the next prediction's engine seconds and answers (tokenmill.call_costs), stored with the run's parts
     observe(job.spec, engine.name, calls, answers)
