@@ -134,6 +134,12 @@ def test_the_gate_passes_openvino_int8_against_float32_and_the_job_runs_it(
     # the gate's 128 sample rows, computed on the chosen candidate, are not computed again by the corpus run
     assert metrics["rows_from_cache"] == 128 and metrics["engine_tokens"] < metrics["input_tokens"]
     assert len(table.column("embedding")[0].as_py()) == 384
+    # each model's sample calls, timed one at a time, give its rates by length (a later corpus's gate is
+    # priced by them: prediction.gate_samples_seconds)
+    from tokenmill.gate import known_verdict
+
+    cost = known_verdict(spec).candidates[0].cost  # OpenVINO's calls run one at a time (transformers' may not)
+    assert cost.rates_by_length and all(mean > 0 and rate > 0 for mean, rate in cost.rates_by_length.values())
 
 
 def test_the_row_cache_keys_openvino_int8_by_its_recipe_and_calibration_rows(corpus, tmp_path):

@@ -300,6 +300,41 @@ def test_the_samples_reading_follows_the_tokens_it_reads_from_runs_here():
     assert part.seconds == pytest.approx(2.4) and "reading the sample 0.4 s" in part.source
 
 
+def test_embedding_calls_give_each_length_their_own_rate_for_runs_and_gates(tmp_path):
+    """A corpus of short and long rows: the rate at each length its calls spent time on, not one rate at a mean
+    length no row has; a class of a few calls (under LENGTH_CLASS_SHARE of the seconds) gives none. The gate's
+    models' samples are priced the same way, each model at its rates by length."""
+    from tokenmill.engine_choice import class_rates
+    from tokenmill.gate import CandidateVerdict, GateReport, ModelCost
+    from tokenmill.prediction import _add_rate_parts, gate_samples_seconds, rates_key
+    from tokenmill.tasks.job import PrefectJob
+
+    calls = [(16, 16_000.0, 0.6), (17, 17_000.0, 0.6), (256, 256_000.0, 8.0), (64, 640.0, 0.05)]
+    rates = class_rates(calls)
+    assert set(rates) == {4, 8}  # 64 tokens a row: 0.05 s of 9.25, under the share
+    assert rates[4] == pytest.approx((33_000 / 2000, 33_000 / 1.2)) and rates[8] == pytest.approx((256.0, 32_000.0))
+    spec = PrefectJob.model_validate({"input": str(tmp_path), "output": str(tmp_path / "out"), "mode": "embed",
+                                      "model": {"name": "all-MiniLM-L6-v2", "engine": "openvino"}})
+    out: dict = {}
+    _add_rate_parts(out, spec, "openvino", {"engine_seconds": 9.25, "engine_tokens": 289_640.0}, 2010, calls)
+    stored = out[rates_key(spec, "openvino")]
+    assert set(stored) == {"tokens_per_s@4", "mean_tokens@4", "tokens_per_s@8", "mean_tokens@8"}
+    single: dict = {}  # calls not timed apart (streams at once): the run's one rate at its mean length
+    _add_rate_parts(single, spec, "openvino", {"engine_seconds": 9.25, "engine_tokens": 289_640.0}, 2010)
+    assert set(single[rates_key(spec, "openvino")]) == {"tokens_per_s@7", "mean_tokens@7"}
+
+    def cost(rate, by_length=None):
+        return ModelCost(model="m", engine="openvino", seconds=1.0, tokens=1000, tokens_per_s=rate,
+                         usd_per_1m_tokens=1.0, rates_by_length=by_length or {})
+
+    verdict = GateReport(mode="embed", sample_rows=256, sample_source="s", passed=True, metrics=[],
+                         reference=cost(30_000.0, {"4": [16.0, 40_000.0], "8": [256.0, 20_000.0]}),
+                         candidate=cost(50_000.0), action="candidate",
+                         candidates=[CandidateVerdict(cost=cost(50_000.0), metrics=[], passed=True)], chosen=0)
+    seconds = gate_samples_seconds(verdict, [256] * 10, 100)  # a corpus of long rows
+    assert seconds == pytest.approx(100 * 256 / 20_000.0 + 100 * 256 / 50_000.0)
+
+
 def test_the_main_thread_of_a_run_with_trials_stands_in_until_a_warm_run_measures_it():
     """A first run's main thread (generation's includes transformers' import for the chat template, 6-15 s)
     is stored apart from a warm run's, and read only where no warm run measured it."""

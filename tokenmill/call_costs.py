@@ -89,6 +89,8 @@ def call_cost(pads: bool, lengths: Sequence[int], outputs: Sequence[Any], second
 _lock = threading.Lock()
 _run_calls: dict[str, list[CallCost]] = {}
 _run_answers: dict[str, list[int]] = {}
+# embedding calls, summed by their rows' mean length in tokens: {mean: [tokens, seconds]} (observe_embedding)
+_run_lengths: dict[str, dict[int, list[float]]] = {}
 
 
 def _runs_on(spec, engine: str) -> str:
@@ -111,6 +113,30 @@ def observe(spec, engine: str, calls: Sequence[CallCost], answers: Sequence[int]
                 held[:] = held[::2]
 
 
+def embed_call(lengths: Sequence[int], seconds: float) -> CallCost:
+    """One embedding call of rows of `lengths` tokens: its rows and tokens (no steps: nothing is generated)."""
+    return CallCost(rows=len(lengths), input_slots=sum(lengths), steps=0.0, output_slots=0.0, seconds=seconds)
+
+
+def observe_embedding(spec, engine: str, calls: Sequence[CallCost]) -> None:
+    """A shard's embedding calls (embed_call): summed by their rows' mean length, so a run's rows of each
+    length give their own rate (take_lengths), however many calls it makes."""
+    with _lock:
+        kept = _run_lengths.setdefault(_runs_on(spec, engine), {})
+        for call in calls:
+            if call.rows:
+                sums = kept.setdefault(round(call.input_slots / call.rows), [0.0, 0.0])
+                sums[0] += call.input_slots
+                sums[1] += call.seconds
+
+
+def take_lengths(spec, engine: str) -> list[tuple[int, float, float]]:
+    """(mean tokens a row of the calls, their tokens, their seconds) of this run's embedding calls."""
+    with _lock:
+        return [(mean, tokens, seconds) for mean, (tokens, seconds)
+                in sorted(_run_lengths.pop(_runs_on(spec, engine), {}).items())]
+
+
 def take(spec, engine: str) -> list[CallCost]:
     with _lock:
         return _run_calls.pop(_runs_on(spec, engine), [])
@@ -127,6 +153,7 @@ def forget() -> None:
     with _lock:
         _run_calls.clear()
         _run_answers.clear()
+        _run_lengths.clear()
 
 
 def _path(cache: Path) -> Path:

@@ -154,6 +154,24 @@ def length_class(mean_tokens: float) -> int:
     return max(0, round(math.log2(max(mean_tokens, 1.0))))
 
 
+# a length class on which embedding calls spent at least this share of their seconds gets its own rate
+LENGTH_CLASS_SHARE = 0.1
+
+
+def class_rates(calls) -> dict[int, tuple[float, float]]:
+    """{length class: (mean tokens a row, tokens/s)} of embedding calls, each (mean tokens a row of its rows,
+    its tokens, its seconds) (call_costs.take_lengths), for every class that took LENGTH_CLASS_SHARE of their
+    seconds: rows of each length at their own rate, where one rate at the mean would be a rate at a length
+    no row has (a corpus of short and long rows)."""
+    sums: dict[int, list[float]] = {}  # tokens, seconds, rows
+    for mean, tokens, seconds in calls:
+        entry = sums.setdefault(length_class(mean), [0.0, 0.0, 0.0])
+        entry[0], entry[1], entry[2] = entry[0] + tokens, entry[1] + seconds, entry[2] + tokens / max(mean, 1)
+    timed = sum(seconds for _, seconds, _ in sums.values())
+    return {c: (tokens / rows, tokens / seconds) for c, (tokens, seconds, rows) in sorted(sums.items())
+            if seconds > 0 and rows > 0 and seconds >= LENGTH_CLASS_SHARE * timed}
+
+
 def trial_key(spec: JobSpec, model_path: str, device: str, mean_tokens: float) -> str:
     return stable_digest(_trial_identity(spec, model_path, device, length_class(mean_tokens)), 24)
 
@@ -518,7 +536,8 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         for streams in candidates:
             if len(candidates) > 1:
                 instance.set_streams(streams)
-            outputs, seconds = run_batches(instance, calls, rows, job, None, shapes)  # as the runner calls it
+            outputs, seconds = run_batches(instance, calls, rows, job, None,  # as the runner calls it
+                                           shapes if spec.mode == "generate" else None)
             produced = sum(g.output_tokens for call in outputs for g in call) if spec.mode == "generate" else 0
             by_streams[streams] = (tokens + produced) / seconds if seconds else 0.0
             if fastest is None or by_streams[streams] > by_streams[fastest[0]]:

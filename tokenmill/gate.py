@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,12 @@ import numpy as np
 from pydantic import BaseModel
 
 from tokenmill.bucketing import plan_batches, restore_order
+from tokenmill.call_costs import CallCost
 from tokenmill.economics import RunCost
 from tokenmill.encoding import encode_rows
 from tokenmill.digest import stable_digest
 from tokenmill.device import device_label
-from tokenmill.engine_choice import TRIAL_LIBRARIES, cache_dir, length_class
+from tokenmill.engine_choice import TRIAL_LIBRARIES, cache_dir, class_rates, length_class
 from tokenmill.engine_protocol import Engine, token_budget
 from tokenmill.engines import discard_engine, engine_key, get_engine
 from tokenmill.errors import ConfigError
@@ -76,6 +77,8 @@ class ModelCost(BaseModel):
     tokens: int
     tokens_per_s: float
     usd_per_1m_tokens: float
+    # embedding calls timed one at a time: {length class: [mean tokens a row, tokens/s]} (engine_choice.class_rates)
+    rates_by_length: dict[str, list[float]] = {}
 
 
 class CandidateVerdict(BaseModel):
@@ -272,6 +275,7 @@ class SampleRun:
     token_ids: list[list[int]]
     seconds: float
     tokens: int
+    calls: list[CallCost] = field(default_factory=list)  # embedding: each call's rows, tokens and seconds
 
 
 def run_sample(resolved: ResolvedJob, texts: list[str], engine: Engine | None = None, keep: bool = False) -> SampleRun:
@@ -289,7 +293,8 @@ def run_sample(resolved: ResolvedJob, texts: list[str], engine: Engine | None = 
         warm = batches[0][:WARM_UP_ROWS]
         run_batches(engine, [list(range(len(warm)))], [encoded.token_ids[i] for i in warm], job, None)
     started = time.perf_counter()
-    results, _ = run_batches(engine, batches, encoded.token_ids, job, "gate")
+    calls: list[CallCost] = []
+    results, _ = run_batches(engine, batches, encoded.token_ids, job, "gate", calls if job.mode == "embed" else None)
     seconds = time.perf_counter() - started
     outputs = restore_order(batches, results)
     tokens = sum(lengths) + (sum(g.output_tokens for g in outputs) if job.mode == "generate" else 0)
@@ -297,7 +302,7 @@ def run_sample(resolved: ResolvedJob, texts: list[str], engine: Engine | None = 
         kept = keep_sample_rows(job, resolved.model_path, resolved.engine, encoded.token_ids, outputs, seconds)
         if kept:
             log.info("row cache: kept the gate's %d sample rows on %s for the corpus run", kept, _label(job))
-    return SampleRun(outputs, encoded.token_ids, seconds, tokens)
+    return SampleRun(outputs, encoded.token_ids, seconds, tokens, calls)
 
 
 WARM_UP_ROWS = 8
@@ -558,8 +563,10 @@ def text_similarity(first: list[str], second: list[str]) -> np.ndarray:
 def _cost(job: JobSpec, run: SampleRun, spec: JobSpec) -> ModelCost:
     cost = RunCost.for_job(spec, rows=len(run.outputs), input_tokens=run.tokens, output_tokens=0,
                            wall_seconds=run.seconds, engine_seconds=run.seconds)
+    by_length = class_rates([(c.input_slots / c.rows, c.input_slots, c.seconds) for c in run.calls if c.rows])
     return ModelCost(model=_label(job), engine=job.model.engine, seconds=run.seconds, tokens=run.tokens,
-                     tokens_per_s=cost.tokens_per_s, usd_per_1m_tokens=cost.usd_per_1m_tokens)
+                     tokens_per_s=cost.tokens_per_s, usd_per_1m_tokens=cost.usd_per_1m_tokens,
+                     rates_by_length={str(c): [mean, rate] for c, (mean, rate) in by_length.items()})
 
 
 def _label(job: JobSpec) -> str:

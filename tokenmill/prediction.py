@@ -52,6 +52,7 @@ from tokenmill.engine_choice import (
     TRIAL_ROWS,
     answers_key,
     cache_dir,
+    class_rates,
     corpus_answers,
     engine_trials,
     length_class,
@@ -1098,10 +1099,18 @@ def kept_rate(verdict: GateReport | None, where: str) -> tuple[float, float, str
     return cost.tokens / verdict.sample_rows, cost.tokens_per_s, where
 
 
-def gate_samples_seconds(verdict: GateReport, tokens: float) -> float:
-    """Every model the verdict ran, on `tokens` sample tokens at the rate it measured on its own sample."""
-    costs = [verdict.reference, *(v.cost for v in verdict.candidates)]
-    return sum(tokens / c.tokens_per_s for c in costs if c.tokens > 0 and c.tokens_per_s > 0)
+def gate_samples_seconds(verdict: GateReport, lengths: list[int], rows: int) -> float:
+    """Every model the verdict ran, on `rows` sample rows of these lengths (the corpus's sample): at the rate
+    it measured on its own sample at each length class there (log-log between them, as rate_at), else at its
+    rate over that sample."""
+    lengths = lengths or [1]
+    seconds = 0.0
+    for cost in [verdict.reference, *(v.cost for v in verdict.candidates)]:
+        if cost.tokens <= 0 or cost.tokens_per_s <= 0:
+            continue
+        curve = [(mean, rate) for mean, rate in cost.rates_by_length.values()] or [(1.0, cost.tokens_per_s)]
+        seconds += rows * statistics.fmean(n / rate_at(curve, n) for n in lengths)
+    return seconds
 
 
 def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, elsewhere: GateReport | None,
@@ -1122,7 +1131,8 @@ def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, elsewh
              "does runs the corpus in less)" if corpus.model == spec.gate.reference
         else "the cheapest candidate at the engines' default rates, as the gate picks it if it passes"))
     corpus_rows = sample.rows_read if not sample.finished_shards else spec.gate.sample_rows  # a re-run: still sampled
-    tokens = statistics.fmean(sample.lengths or [1]) * min(spec.gate.sample_rows, max(corpus_rows, 1))
+    gate_rows = min(spec.gate.sample_rows, max(corpus_rows, 1))
+    tokens = statistics.fmean(sample.lengths or [1]) * gate_rows
     models = [spec.gate.reference, *candidate_models(spec)]
     making, made = making_part(list(dict.fromkeys(
         m for model in models for m in models_to_make(job_for(spec, model)))))
@@ -1130,10 +1140,10 @@ def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, elsewh
         why += f"; + {making:.1f} s making the models not made here yet: {made}"
     besides, source = stored(parts, key, GATE_BESIDES, None)
     if besides is not None and elsewhere is not None:
-        samples = gate_samples_seconds(elsewhere, tokens)
+        samples = gate_samples_seconds(elsewhere, sample.lengths, gate_rows)
         return Part(name="eval gate", seconds=besides + samples + making, source=(
             f"{besides:.1f} s besides the models' samples ({source}) + {samples:.1f} s for ~{tokens:,.0f} sample "
-            f"tokens at each model's rate in its last verdict here; {why}"))
+            f"tokens at each model's rates in its last verdict here (by length, where it timed its calls); {why}"))
     seconds, source = stored(parts, key, GATE_MEASURED, None)
     if seconds is not None:
         return Part(name="eval gate", seconds=seconds + making, source=f"{source}; {why}")
@@ -1167,7 +1177,8 @@ def _span(marks: dict[str, float], start: str, end: str) -> float:
 def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
                    trials_ran: bool, rows_read: int | None = None,
                    trial_engine_seconds: float = 0.0, shards_read: int = 0,
-                   gate_samples: float | None = None) -> dict[str, dict[str, float]]:
+                   gate_samples: float | None = None,
+                   lengths: list[tuple[int, float, float]] = ()) -> dict[str, dict[str, float]]:
     """This run's parts, by the cache key each is stored under (see `predict`). trial_engine_seconds: the
     trials' engines' whole trials (each engine's `wall_seconds`), when this run paid for trials;
     gate_samples: the seconds its eval gate's models spent on their timed samples, when it measured them;
@@ -1212,7 +1223,7 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     imports = command_imports_cpu()
     if imports is not None:  # the machine's speed (machine_speed): every run's command imports, any job
         out[machine_key()] = {IMPORTS_CPU: imports}
-    _add_rate_parts(out, spec, engine, metrics, engine_rows)
+    _add_rate_parts(out, spec, engine, metrics, engine_rows, lengths)
     if trials_ran:
         if trial_engine_seconds:  # what the trials cost besides the engines: the sample's reading, closing them
             kept = engine == trial_order(runnable_engines(spec)[0])[-1]
@@ -1237,15 +1248,24 @@ def _gate_parts(spec: JobSpec, marks: dict[str, float], gate_samples: float | No
 
 
 def _add_rate_parts(out: dict[str, dict[str, float]], spec: JobSpec, engine: str, metrics: dict[str, float],
-                    engine_rows: int) -> None:
+                    engine_rows: int, lengths: list[tuple[int, float, float]] = ()) -> None:
     """The engine's tokens/s at this run's length class, and how far below its default rate it ran
-    (compute_speed), where the run computed rows."""
+    (compute_speed), where the run computed rows. Embedding calls timed one at a time (`lengths`:
+    call_costs.take_lengths) give a rate at each length class that took a share of the engine's seconds:
+    a corpus of short and long rows measures both lengths' rates, not one rate at a mean length no row has
+    (OpenVINO's int8 MiniLM: 48,000 tokens/s on rows of 16, 36,000 on rows of 256, 33,600 over the mixed
+    corpus's mean of 55)."""
     engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
     if engine_rows <= 0 or engine_seconds <= 0 or engine_tokens <= 0:
         return
     mean_in = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
-    out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
-                                    f"mean_tokens@{length_class(mean_in)}": mean_in}
+    by_class = class_rates(lengths)
+    if by_class:
+        out[rates_key(spec, engine)] = {name: value for c, (mean, rate) in by_class.items()
+                                        for name, value in ((f"tokens_per_s@{c}", rate), (f"mean_tokens@{c}", mean))}
+    else:
+        out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
+                                        f"mean_tokens@{length_class(mean_in)}": mean_in}
     if measured_default(engine, spec.mode, spec.model.quantization):
         out.setdefault(machine_key(), {})[f"{COMPUTE}@{spec.mode}"] = (
             default_rate(engine, spec.mode, spec.model.quantization) / (engine_tokens / engine_seconds))
@@ -1284,7 +1304,7 @@ def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_r
                  shards_read: int = 0, gate_samples: float | None = None) -> None:
     """Store this run's measured parts for the next prediction of any job on this engine here."""
     remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
-                                  shards_read, gate_samples))
+                                  shards_read, gate_samples, call_costs.take_lengths(spec, engine)))
     call_costs.remember_calls(cache_dir(), rates_key(spec, engine), call_costs.take(spec, engine))
     if spec.mode == "generate":  # the next prediction of this corpus and prompt reads how long its answers ran
         call_costs.remember_answers(cache_dir(), answers_key(spec), call_costs.take_answers(spec, engine),

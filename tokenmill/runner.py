@@ -22,7 +22,7 @@ from tokenmill.bucketing import (
     plan_batches,
     restore_order,
 )
-from tokenmill.call_costs import CallCost, call_cost, observe, output_tokens
+from tokenmill.call_costs import CallCost, call_cost, embed_call, observe, observe_embedding, output_tokens
 from tokenmill.encoding import EncodedRows, encode_rows
 from tokenmill.engine_protocol import Engine, run_engine, token_budget
 from tokenmill.memory import HeapGuard
@@ -125,7 +125,10 @@ def _run_rows(engine: Engine, work: RowsWork, job: ResolvedJob, shard_id: str) -
     answers = ([output_tokens(g) for batch in results_by_batch for g in batch]
                if job.spec.mode == "generate" and job.spec.generation.n == 1 else [])
     # for the next prediction's engine seconds and answers (tokenmill.call_costs), stored with the run's parts
-    observe(job.spec, engine.name, calls, answers)
+    if job.spec.mode == "embed":
+        observe_embedding(job.spec, engine.name, calls)
+    else:
+        observe(job.spec, engine.name, calls, answers)
     return results_by_batch, engine_seconds, batches
 
 
@@ -207,7 +210,7 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
     """Each batch through the engine, as cut (one engine call each; see plan_feed). Returns (results per
     batch, seconds in the engine). An engine with `streams` > 1 (transformers on CPU) gets that many calls
     at once, from as many threads; results keep the batches' order either way. shard_id None: no progress
-    events (an engine trial's sample is not the job's rows). calls: where each generation call's shape and
+    events (an engine trial's sample is not the job's rows). calls: where each call's shape and
     seconds go (tokenmill.call_costs), when given."""
     streams = max(1, engine.streams)  # >1 only for transformers embedding on a CPU
     heap = HeapGuard()  # an in-process engine's freed activations, given back when they stop being reused
@@ -223,6 +226,8 @@ def run_batches(engine: Engine, batches: list[list[int]], token_ids: list[list[i
             if calls is not None and spec.mode == "generate" and spec.generation.n == 1:  # n > 1: calls_part
                 calls.append(call_cost(engine_pads(engine.name), [len(token_ids[i]) for i in batch],
                                        results_by_batch[index], seconds, spec.batching.max_batch_size))
+            elif calls is not None and spec.mode == "embed":  # its rate at each length (prediction)
+                calls.append(embed_call([len(token_ids[i]) for i in batch], seconds))
             if shard_id is not None:
                 progress.emit("rows_done", shard_id=shard_id, rows=len(batch))
     else:
