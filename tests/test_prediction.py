@@ -347,6 +347,23 @@ def test_the_main_thread_of_a_run_with_trials_stands_in_until_a_warm_run_measure
     assert orchestration_part(warm, "here|transformers|generate", 0.5).seconds == pytest.approx(9.0 + 0.5)
 
 
+def test_a_main_thread_with_no_engine_starting_beside_it_is_read_apart():
+    """A gated job starts no engine beside the API: its main thread imports alone what an engine's import shares
+    with MLflow's. Read from such runs here; never measured, the other runs' figure and a stated extra."""
+    from tokenmill import prediction
+    from tokenmill.prediction import MAIN, MAIN_ALONE, orchestration_part
+
+    parts = {"here|openvino|embed": {"orchestrator API": [1.0], MAIN: [2.0], "flow start": [0.0]}}
+    with_engine = orchestration_part(parts, "here|openvino|embed", 0.0)
+    alone = orchestration_part(parts, "here|openvino|embed", 0.0, alone=True)
+    factor, _ = prediction.machine_speed()
+    assert with_engine.seconds == pytest.approx(2.0)
+    assert alone.seconds == pytest.approx(2.0 + prediction.DEFAULT_ALONE_EXTRA * factor) and alone.is_default
+    parts["here|openvino|embed"][MAIN_ALONE] = [2.7]
+    measured = orchestration_part(parts, "here|openvino|embed", 0.0, alone=True)
+    assert measured.seconds == pytest.approx(2.7) and not measured.is_default
+
+
 def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_path, monkeypatch):
     """A default is a quiet reference machine's figure: scaled by this machine's speed (the first command's
     imports' user CPU seconds here against the reference's), seconds up and tokens/s down; once stored, every command reads
@@ -584,6 +601,9 @@ def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(t
     assert parts[prediction.engine_key(ran, "transformers")] == {"engine start": pytest.approx(0.5)}
     fixed = parts[prediction.fixed_key(ran, "transformers")]
     assert fixed[prediction.OVERHEAD] == pytest.approx(overhead - 0.5 / 40 * 1000)
+    assert fixed["flow start"] == pytest.approx(30 - 7 - 1 - 20)  # nor the flow's start's: counted once
+    # no engine started beside the API: the main thread's seconds stored apart (MAIN_ALONE), not as MAIN
+    assert fixed[prediction.MAIN_ALONE] == pytest.approx(3.0) and prediction.MAIN not in fixed
     # a model made once per machine inside the gate, or inside the engine's start: not stored as either's seconds
     monkeypatch.setattr("tokenmill.prediction.MADE_SPANS", [(t0 + 10, t0 + 14), (t0 + 20, t0 + 21)])
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False,

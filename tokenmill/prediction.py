@@ -96,7 +96,14 @@ OVERHEAD_DEFAULT_LENGTH = 8
 # it ran beside less of the API's start than a warm run's does, so it stands in only where no warm run
 # measured MAIN.
 MAIN_BESIDE_TRIAL = f"{MAIN}, a run with trials"
-AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL}
+# The main thread's work where no engine starts beside the API (a gated job's: its gate starts the engines in
+# the flow): it imports alone what MLflow and matplotlib share with an engine's import, which a started
+# engine's span holds otherwise. Stored apart; never measured, MAIN and this (the quiet 2-core Xeon,
+# 2026-11-27: 2.7-2.8 s in gated jobs against 1.9-2.3 s in the others). A rerun with nothing left to compute
+# starts no engine either, and stores no parts: it reads MAIN.
+MAIN_ALONE = f"{MAIN}, no engine starting beside it"
+DEFAULT_ALONE_EXTRA = 0.6
+AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL, MAIN_ALONE}
 # The prediction reads and tokenizes the job's sample on the main thread (job_sample), inside what the API's
 # start overlaps: seconds that grow with the tokens it reads (0.14 s for 1,000 rows of ~19 tokens, 0.48 s
 # for 500 of ~255 on a quiet 2-core Xeon, in the run's own process), on top of loading the tokenizer
@@ -770,7 +777,8 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
         start = engine_start_part(spec, engine, sample, parts, trials, gate_makes)
     out = [Part(name="python imports", **_seconds(parts, fixed, "python imports")),
            orchestration_part(parts, fixed, 0.0 if trial_runs or not early_start else start.seconds,
-                              reading_part(parts, spec.mode, sample.read_tokens))]
+                              reading_part(parts, spec.mode, sample.read_tokens),
+                              alone=not trial_runs and not early_start)]
     if trial_runs:
         out.append(trials_part(spec, sample, parts, able, trials, kept=engine == trial_order(able)[-1]))
     engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts, gate_rate)
@@ -805,16 +813,24 @@ def collapses(spec: JobSpec, engine: str, sample: JobSample) -> bool:
 
 
 def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
-                       reading: tuple[float, str] = (0.0, "")) -> Part:
+                       reading: tuple[float, str] = (0.0, ""), alone: bool = False) -> Part:
     """Prefect's API starts in its own process beside the main thread's work (the flow's imports, this
     prediction and its reading of the job's sample (`reading`: seconds, source), MLflow's store) and the
     engine's start (`engine_start`: the start it overlaps; 0 when a trial runs first, which waits for the
-    API), then the flow starts: what of it the engine's start does not hide."""
+    API), then the flow starts: what of it the engine's start does not hide. alone: no engine starts beside
+    the API (MAIN_ALONE)."""
     api, main, flow = (_seconds(parts, key, name) for name in ("orchestrator API", MAIN, "flow start"))
     if main["source"].startswith("default"):
         beside, source = stored(parts, key, MAIN_BESIDE_TRIAL, None)
         if beside is not None:
             main = {"seconds": beside, "source": f"{source}, in runs with trials"}
+    if alone:
+        own, source = stored(parts, key, MAIN_ALONE, None)
+        factor, speed = machine_speed()
+        main = {"seconds": own, "source": f"{source}, no engine starting beside it"} if own is not None else {
+            "seconds": main["seconds"] + DEFAULT_ALONE_EXTRA * factor, "source": (
+                f"{main['source']}, + {DEFAULT_ALONE_EXTRA:g} s{speed} (default: never measured here with no engine "
+                "starting beside it)")}
     read, read_source = reading
     thread = main["seconds"] + read
     seconds = max(api["seconds"], thread + engine_start) - engine_start + flow["seconds"]
@@ -1191,8 +1207,10 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     waited = _span(marks, "api_wait", "engine_choice_start") if trials_ran else 0.0
     early = _span(marks, "early_engine_start", "early_engine_ready")
     prepare = _span(marks, "first_shard_started", "first_engine_call")
+    in_shard = 0.0  # the engine started in the first shard (no early start, a gated job's): its own part
     if not early and marks.get("engine_start", 0.0) >= marks.get("first_shard_started", math.inf):
-        prepare -= _span(marks, "engine_start", "engine_ready")  # the engine started in the first shard: its own part
+        in_shard = _span(marks, "engine_start", "engine_ready")
+        prepare -= in_shard
     index = _span(marks, "index_start", "index_done")
     gate = _span(marks, "gate_start", "gate_verdict_kept" if "gate_verdict_kept" in marks else "gate_measured")
     # the prediction's reading of the job's sample, on the main thread: its own part (READING), by its tokens
@@ -1202,9 +1220,10 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         "python imports": _span(marks, "process", "cli_ready"),
         "orchestrator API": _span(marks, "api_start", "api_ready"),
         # with a trial, the main thread's work ran beside less of the API's start: stored apart (see MAIN_BESIDE_TRIAL)
-        (MAIN_BESIDE_TRIAL if trials_ran else MAIN):
+        (MAIN_BESIDE_TRIAL if trials_ran else MAIN if "early_engine_start" in marks else MAIN_ALONE):
             _span(marks, "cli_ready", "tracking_warm") - trials - waited - early - reading,
-        "flow start": _span(marks, "flow_called", "first_engine_call") - prepare - gate,
+        # not the engine's start either, where it started in the first shard (the prediction's "engine start")
+        "flow start": _span(marks, "flow_called", "first_engine_call") - prepare - gate - in_shard,
         "finish": _span(marks, "shards_done", "record_started") - index}
     engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
     rows_read = rows_read if rows_read is not None else engine_rows
