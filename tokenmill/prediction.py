@@ -1206,16 +1206,10 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     trials = _span(marks, "engine_choice_start", "engine_choice_done") if trials_ran else 0.0
     waited = _span(marks, "api_wait", "engine_choice_start") if trials_ran else 0.0
     early = _span(marks, "early_engine_start", "early_engine_ready")
-    prepare = _span(marks, "first_shard_started", "first_engine_call")
-    in_shard = 0.0  # the engine started in the first shard (no early start, a gated job's): its own part
-    if not early and marks.get("engine_start", 0.0) >= marks.get("first_shard_started", math.inf):
-        in_shard = _span(marks, "engine_start", "engine_ready")
-        prepare -= in_shard
+    prepare, in_shard = _first_shard(marks, early)
     index = _span(marks, "index_start", "index_done")
     gate = _span(marks, "gate_start", "gate_verdict_kept" if "gate_verdict_kept" in marks else "gate_measured")
-    # the prediction's reading of the job's sample, on the main thread: its own part (READING), by its tokens
-    reading = (_span(marks, "sample_read_start", "sample_read_done") if _sample_read and marks.get(
-        "cli_ready", math.inf) <= marks.get("sample_read_start", 0.0) <= marks["tracking_warm"] else 0.0)
+    reading = _reading(marks)
     fixed: dict[str, float] = {
         "python imports": _span(marks, "process", "cli_ready"),
         "orchestrator API": _span(marks, "api_start", "api_ready"),
@@ -1252,6 +1246,25 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         name = COMPILING_START if "engine_compiled" in marks else "engine start"  # see first_compile
         out[engine_key(spec, engine)] = {name: max(_span(marks, *span) - _made_within(marks, *span), 0.0)}
     return out
+
+
+def _first_shard(marks: dict[str, float], early: float) -> tuple[float, float]:
+    """(the first shard's preparing: reading, tokenizing; the engine's start inside it): an engine that did not
+    start early (a gated job's) starts in the first shard, and its start is its own part, not the shard's."""
+    prepare = _span(marks, "first_shard_started", "first_engine_call")
+    if early or marks.get("engine_start", 0.0) < marks.get("first_shard_started", math.inf):
+        return prepare, 0.0
+    in_shard = _span(marks, "engine_start", "engine_ready")
+    return prepare - in_shard, in_shard
+
+
+def _reading(marks: dict[str, float]) -> float:
+    """The prediction's reading of the job's sample on the main thread (READING), where this process's first
+    sample was read there (between the command's start and the warm tracking store)."""
+    start = marks.get("sample_read_start", 0.0)
+    if not _sample_read or not marks.get("cli_ready", math.inf) <= start <= marks["tracking_warm"]:
+        return 0.0
+    return _span(marks, "sample_read_start", "sample_read_done")
 
 
 def _gate_parts(spec: JobSpec, marks: dict[str, float], gate_samples: float | None) -> dict[str, dict[str, float]]:
