@@ -31,7 +31,7 @@ from tokenmill.tasks.job import PrefectJob
 from tokenmill.tasks.logs import with_core_logs
 from tokenmill.tasks.shards import discover_shards_task
 from tokenmill.tasks.storage import with_storage_secrets
-from tokenmill.tracking import log_stage_run
+from tokenmill.tracking import log_stage_run, tracking_client
 
 
 @task(name="calibrate", cache_policy=NONE)
@@ -58,6 +58,7 @@ def calibrate_flow(spec: PrefectJob, batch_sizes: list[int] = list(DEFAULT_BATCH
     (out / "calibration.json").write_text(result.model_dump_json(indent=2))
     (out / "batching.yaml").write_text(result.snippet())
     plot = plot_calibration(result, out / "calibration.png")
+    tracking_client(spec)  # the stage run's store, created here if this is its first command: the run opens it
     local = predict_job(spec)  # the job on this machine, as `tokenmill plan` and `tokenmill run` predict it
     logger.info("%s\nRecommended (paste into the job file):\n%s\n%s", result.summary(), result.snippet(),
                 local.describe())
@@ -87,6 +88,7 @@ def plan_flow(spec: PrefectJob, window_hours: float, tokens_per_s_per_gpu: float
     if spec.model.engine == "auto" and tokens_per_s_per_gpu is None and not calibration_file:
         with engine_scope():  # engines a first trial starts end with it
             choice = choose_engine_task(spec, discover_shards_task(spec))
+    tracking_client(spec)  # the stage run's store, created here if this is its first command: the run opens it
     local = predict_job(spec)  # this machine, one process: the same prediction `tokenmill run` makes
     local_measured = not local.part("engine").is_default
     if tokens_per_s_per_gpu is None:

@@ -141,6 +141,8 @@ def start_api_in_background() -> EphemeralApi | None:
     timeline.mark("api_start")
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
         return None
+    if not _database_exists():  # the API creates its tables first: a first run's cost (tokenmill.prediction)
+        timeline.mark("api_store_created")
     try:
         api = EphemeralApi(float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
     except Exception as exc:  # noqa: BLE001 - Prefect starts its own at the flow's first call
@@ -148,6 +150,17 @@ def start_api_in_background() -> EphemeralApi | None:
         return None
     api.start()
     return api
+
+
+def _database_exists() -> bool:
+    """Whether the ephemeral API's SQLite database is there (a server's on another database: assumed so)."""
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().server.database.connection_url
+    url = url.get_secret_value() if hasattr(url, "get_secret_value") else str(url or "")
+    if not url.startswith("sqlite") or ":///" not in url or url.endswith(":memory:"):
+        return True
+    return Path(url.split(":///", 1)[1]).exists()
 
 
 def finish_api_start(api: EphemeralApi | None) -> None:
@@ -178,9 +191,14 @@ def warm_tracking(spec: JobSpec) -> None:
     these inside the flow. MLflow keeps the store per tracking URI, so the flow's client finds it
     open. Failures are left for the flow to meet and report."""
     try:
+        from tokenmill.spec import local_tracking_store
         from tokenmill.tracking import tracking_client
 
-        tracking_client(spec)
+        store = local_tracking_store(spec)
+        created = store is not None and not store.exists()  # MLflow creates its tables: a first run's cost
+        timeline.mark("tracking_open_start")  # tokenmill.prediction: the store's part, apart from the main thread's
+        tracking_client(spec)  # the client opens its store (and creates it) as it is made
+        timeline.mark("tracking_created" if created else "tracking_opened")
         import matplotlib
 
         matplotlib.use("Agg")

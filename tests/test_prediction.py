@@ -87,12 +87,17 @@ def test_the_run_measured_its_parts_and_the_next_prediction_reads_them(job_a, mo
     reading = stored[prediction.reading_key("embed")]
     assert len(reading[prediction.READING]) == len(reading[prediction.READ_TOKENS]) == 1
     assert reading[prediction.READ_TOKENS][0] > 48  # 48 rows, every one sampled for both samples
-    again = prediction.predict_job(PrefectJob.model_validate(job_a["job"]))
+    # the same job into a new output (the finished one's rerun starts no engine)
+    again = prediction.predict_job(PrefectJob.model_validate({**job_a["job"], "output": str(job_a["root"] / "again")}))
     for name in ("python imports", "engine start", "finish", "exit"):
         assert again.part(name).source.startswith(("measured here", "transformers: measured here")), name
     assert not again.part("orchestration start").is_default  # each of its parts measured by the run
-    assert again.part("orchestration start").source.count("measured here") == 3
+    assert again.part("orchestration start").source.count("measured here") == 4  # API, main thread, store, flow
     assert "reading the sample" in again.part("orchestration start").source
+    assert f"{prediction.TRACKING_OPENED} " in again.part("orchestration start").source
+    rerun = prediction.predict_job(PrefectJob.model_validate(job_a["job"]))
+    assert rerun.rows == 0 and rerun.part("engine start").seconds == 0
+    assert "every shard finished" in rerun.part("engine start").source
 
 
 def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_path):
@@ -296,7 +301,7 @@ def test_the_samples_reading_follows_the_tokens_it_reads_from_runs_here():
     assert seconds == pytest.approx(0.4) and "line through 2 runs" in source
     assert reading_part({}, "generate", 1_000)[1].startswith("default: never measured here")
     parts = {"here|transformers|embed": {"orchestrator API": [1.0], MAIN: [2.0], "flow start": [0.0]}}
-    part = orchestration_part(parts, "here|transformers|embed", 0.0, (seconds, source))
+    part = orchestration_part(parts, "here|transformers|embed", 0.0, [(READING, seconds, source)])
     assert part.seconds == pytest.approx(2.4) and "reading the sample 0.4 s" in part.source
 
 

@@ -204,7 +204,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from tokenmill.sample_corpus import write_sample_corpus
 
         print(f"Writing the sample corpus to {DEFAULT_INPUT}/ (first run)")
+        timeline.mark("sample_corpus_start")  # tokenmill.prediction: a first run's part, apart from the main thread's
         write_sample_corpus(DEFAULT_INPUT)
+        timeline.mark("sample_corpus_written")
 
     from tokenmill.flows.batch import batch_flow
 

@@ -75,16 +75,17 @@ from tokenmill.prompts import prompt_columns, text_column_used
 from tokenmill.row_cache import bypass_reason, cache_uri
 from tokenmill.runner import engine_pads, plan_feed
 from tokenmill.shards import discover_shards_for, read_shard
-from tokenmill.spec import JobSpec
+from tokenmill.spec import JobSpec, local_tracking_store
 
 # For a part never measured on this machine: seconds (per 1,000 rows where the name says so), stated
 # with the prediction. What a quiet 2-core CPU (CI's machine type) measured in bench/PREDICTION.md's runs
 # (API 2.8-3.4 s, imports 1.3-1.4 s, main thread 1.8-2.6 s embedding and 6-7 s generating, flow start
 # 0.2-0.3 s); on a loaded one the API takes 10-15 s. A GPU host's differ: there they are guesses. The main
-# thread's is besides the reading of the job's sample (READING): 1.6-1.8 s on a quiet 2-core Xeon.
-MAIN = "main thread besides the sample"
+# thread's is besides the reading of the job's sample (READING) and MLflow's store (TRACKING_OPENED): 1.6-1.8 s
+# with the store on a quiet 2-core Xeon, whose opening took 1.4-1.5 s of it (MLflow's import included).
+MAIN = "main thread besides the sample and MLflow's store"
 DEFAULT_SECONDS = {
-    "python imports": 1.4, "orchestrator API": 3.5, MAIN: 1.8, "flow start": 0.3,
+    "python imports": 1.4, "orchestrator API": 3.5, MAIN: 0.4, "flow start": 0.3,
     "shard overhead per 1,000 rows": 0.6, "index build per 1,000 rows": 1.0, "finish": 0.1,
 }
 # The shard overhead's default is per 1,000 rows of ~256 tokens (length class 8), in proportion to the rows'
@@ -100,7 +101,7 @@ MAIN_BESIDE_TRIAL = f"{MAIN}, a run with trials"
 # the flow): it imports alone what MLflow and matplotlib share with an engine's import, which a started
 # engine's span holds otherwise. Stored apart; never measured, MAIN and this (the quiet 2-core Xeon,
 # 2026-11-27: 2.7-2.8 s in gated jobs against 1.9-2.3 s in the others). A rerun with nothing left to compute
-# starts no engine either, and stores no parts: it reads MAIN.
+# starts no engine either: it reads and stores this one.
 MAIN_ALONE = f"{MAIN}, no engine starting beside it"
 DEFAULT_ALONE_EXTRA = 0.6
 AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL, MAIN_ALONE}
@@ -113,6 +114,18 @@ AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL, MAIN_ALONE}
 READING, READ_TOKENS = "reading the sample", "tokens the sample read"
 DEFAULT_READING = {"embed": 0.08, "generate": 3.6}
 DEFAULT_READING_PER_TOKEN = 2.1e-6
+# The main thread opens the job's MLflow store (tasks/warm.py warm_tracking); a local SQLite store that does
+# not exist yet is created first, its tables and all: a first run's cost, stored apart from a later run's
+# opening under machine_key() (any job's store, on this machine), and predicted by whether the store is there.
+# Never measured, these at machine speed 1 (the quiet 2-core Xeon: MLflow's import and the client, ... s
+# opening, ... s creating).
+TRACKING_OPENED, TRACKING_CREATED = "MLflow's store, opened", "MLflow's store, created"
+DEFAULT_TRACKING = {TRACKING_OPENED: 1.4, TRACKING_CREATED: 2.3}
+# The orchestrator's API, the first time it starts on a machine, creates its database (tasks/warm.py marks
+# api_store_created when it is not there): stored apart under machine_key(); never measured, this at speed 1
+# (the quiet 2-core Xeon: 6.9 s, against 3.2 s for the same API's later starts).
+API_CREATED = "orchestrator API, its database created"
+DEFAULT_API_CREATED = 6.8
 OVERHEAD = "shard overhead per 1,000 rows"
 # Each shard is a Prefect task: its run, state and persisted result cost about this much whatever its rows.
 # Measured 0.45 s a shard on a machine whose imports took 3.8 s (bench/PREDICTION.md's runs: 0.56 s for
@@ -771,14 +784,17 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
     able = runnable_engines(spec)[0]
     trial_runs = spec.model.engine == "auto" and len(able) > 1 and not trials_cached(
         spec, statistics.fmean(sample.trial_lengths) if sample.trial_lengths else None)
+    idle = sample.shards == 0 and not trial_runs  # every shard finished: no engine starts (tasks/warm.py)
     if trial_runs and engine == trial_order(able)[-1]:
         start = Part(name="engine start", seconds=0.0, source=f"{engine}: kept open from its trial")
+    elif idle:
+        start = Part(name="engine start", seconds=0.0, source=f"{engine}: every shard finished, none starts")
     else:
         start = engine_start_part(spec, engine, sample, parts, trials, gate_makes)
     out = [Part(name="python imports", **_seconds(parts, fixed, "python imports")),
            orchestration_part(parts, fixed, 0.0 if trial_runs or not early_start else start.seconds,
-                              reading_part(parts, spec.mode, sample.read_tokens),
-                              alone=not trial_runs and not early_start)]
+                              main_thread_parts(spec, sample, parts), alone=idle or not trial_runs and not early_start,
+                              api_created=timeline.measures_process() and "api_store_created" in timeline.marks())]
     if trial_runs:
         out.append(trials_part(spec, sample, parts, able, trials, kept=engine == trial_order(able)[-1]))
     engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts, gate_rate)
@@ -813,13 +829,18 @@ def collapses(spec: JobSpec, engine: str, sample: JobSample) -> bool:
 
 
 def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
-                       reading: tuple[float, str] = (0.0, ""), alone: bool = False) -> Part:
+                       apart: list[tuple[str, float, str]] = (), alone: bool = False,
+                       api_created: bool = False) -> Part:
     """Prefect's API starts in its own process beside the main thread's work (the flow's imports, this
-    prediction and its reading of the job's sample (`reading`: seconds, source), MLflow's store) and the
-    engine's start (`engine_start`: the start it overlaps; 0 when a trial runs first, which waits for the
-    API), then the flow starts: what of it the engine's start does not hide. alone: no engine starts beside
-    the API (MAIN_ALONE)."""
+    prediction, and the parts of it measured apart, `apart`: (name, seconds, source) each, see
+    main_thread_parts) and the engine's start (`engine_start`: the start it overlaps; 0 when a trial runs
+    first, which waits for the API), then the flow starts: what of it the engine's start does not hide.
+    alone: no engine starts beside the API (MAIN_ALONE); api_created: the API creates its database first
+    (API_CREATED)."""
     api, main, flow = (_seconds(parts, key, name) for name in ("orchestrator API", MAIN, "flow start"))
+    if api_created:
+        seconds, source = stored(parts, machine_key(), API_CREATED, DEFAULT_API_CREATED)
+        api = {"seconds": seconds, "source": f"{source}, creating its database: the first here"}
     if main["source"].startswith("default"):
         beside, source = stored(parts, key, MAIN_BESIDE_TRIAL, None)
         if beside is not None:
@@ -831,13 +852,33 @@ def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
             "seconds": main["seconds"] + DEFAULT_ALONE_EXTRA * factor, "source": (
                 f"{main['source']}, + {DEFAULT_ALONE_EXTRA:g} s{speed} (default: never measured here with no engine "
                 "starting beside it)")}
-    read, read_source = reading
-    thread = main["seconds"] + read
+    thread = main["seconds"] + sum(seconds for _, seconds, _ in apart)
     seconds = max(api["seconds"], thread + engine_start) - engine_start + flow["seconds"]
     return Part(name="orchestration start", seconds=seconds, source=(
         f"API {api['seconds']:.1f} s ({api['source']}) beside main thread {thread:.1f} s ({main['seconds']:.1f} s "
-        f"{main['source']}" + (f"; reading the sample {read:.1f} s, {read_source}" if read_source else "")
+        f"{main['source']}" + "".join(f"; {name} {sec:.1f} s, {why}" for name, sec, why in apart)
         + f") + engine start {engine_start:.1f} s; flow start {flow['seconds']:.1f} s ({flow['source']})"))
+
+
+def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any]) -> list[tuple[str, float, str]]:
+    """The main thread's work measured apart from the rest of it, (name, seconds, source) each: reading the
+    job's sample; opening MLflow's store, or creating it where it is not there yet (a first run's); and
+    writing the demo's sample corpus, where this process did before it predicted (a first `tokenmill run`
+    of the demo: measured, since it is done)."""
+    read, read_source = reading_part(parts, spec.mode, sample.read_tokens)
+    out = [(READING, read, read_source), tracking_part(spec, parts)]
+    written = _span(timeline.marks(), "sample_corpus_start", "sample_corpus_written")
+    if written and timeline.measures_process():
+        out.append(("writing the sample corpus", written, "this process wrote it before it predicted, measured"))
+    return out
+
+
+def tracking_part(spec: JobSpec, parts: dict[str, Any]) -> tuple[str, float, str]:
+    """Opening the job's MLflow store, or creating it (TRACKING_CREATED) where it is a local file not there yet."""
+    store = local_tracking_store(spec)
+    name = TRACKING_CREATED if store is not None and not store.exists() else TRACKING_OPENED
+    seconds, source = stored(parts, machine_key(), name, DEFAULT_TRACKING[name])
+    return name, seconds, source
 
 
 def reading_key(mode: str) -> str:
@@ -1200,25 +1241,24 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     gate_samples: the seconds its eval gate's models spent on their timed samples, when it measured them;
     shards_read: the shards it ran (each a task: PER_SHARD_SECONDS of its overhead is theirs, not the rows')."""
     marks = {"process": timeline.process_started(), **timeline.marks()}
-    if not timeline.measures_process() or not {"cli_ready", "tracking_warm", "flow_called", "first_engine_call"} <= set(marks):
+    if not timeline.measures_process() or not {"cli_ready", "tracking_warm", "flow_called"} <= set(marks):
         return {}
     # tasks/warm.py: before a first trial the main thread waits for the API; the engine starts ahead of the flow
     trials = _span(marks, "engine_choice_start", "engine_choice_done") if trials_ran else 0.0
     waited = _span(marks, "api_wait", "engine_choice_start") if trials_ran else 0.0
     early = _span(marks, "early_engine_start", "early_engine_ready")
+    fixed = _process_parts(marks, trials_ran, trials + waited + early)
+    out = {fixed_key(spec, engine): fixed, **_machine_parts(spec, marks)}
+    gate = _span(marks, "gate_start", "gate_verdict_kept" if "gate_verdict_kept" in marks else "gate_measured")
+    if gate:
+        out.update(_gate_parts(spec, marks, gate_samples))
+    if "first_engine_call" not in marks:  # every shard finished before: the process's parts, no engine's
+        return out
     prepare, in_shard = _first_shard(marks, early)
     index = _span(marks, "index_start", "index_done")
-    gate = _span(marks, "gate_start", "gate_verdict_kept" if "gate_verdict_kept" in marks else "gate_measured")
-    reading = _reading(marks)
-    fixed: dict[str, float] = {
-        "python imports": _span(marks, "process", "cli_ready"),
-        "orchestrator API": _span(marks, "api_start", "api_ready"),
-        # with a trial, the main thread's work ran beside less of the API's start: stored apart (see MAIN_BESIDE_TRIAL)
-        (MAIN_BESIDE_TRIAL if trials_ran else MAIN if "early_engine_start" in marks else MAIN_ALONE):
-            _span(marks, "cli_ready", "tracking_warm") - trials - waited - early - reading,
-        # not the engine's start either, where it started in the first shard (the prediction's "engine start")
-        "flow start": _span(marks, "flow_called", "first_engine_call") - prepare - gate - in_shard,
-        "finish": _span(marks, "shards_done", "record_started") - index}
+    # not the engine's start either, where it started in the first shard (the prediction's "engine start")
+    fixed["flow start"] = _span(marks, "flow_called", "first_engine_call") - prepare - gate - in_shard
+    fixed["finish"] = _span(marks, "shards_done", "record_started") - index
     engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
     rows_read = rows_read if rows_read is not None else engine_rows
     if rows_read > 0 and "shards_done" in marks:
@@ -1230,12 +1270,6 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
             fixed[f"{OVERHEAD}@{length_class(mean)}"] = outside
     if index and engine_rows > 0:
         fixed["index build per 1,000 rows"] = index / engine_rows * 1000
-    out = {fixed_key(spec, engine): fixed, **(_gate_parts(spec, marks, gate_samples) if gate else {})}
-    if reading:
-        out[reading_key(spec.mode)] = {READING: reading, READ_TOKENS: float(_sample_read[0])}
-    imports = command_imports_cpu()
-    if imports is not None:  # the machine's speed (machine_speed): every run's command imports, any job
-        out[machine_key()] = {IMPORTS_CPU: imports}
     _add_rate_parts(out, spec, engine, metrics, engine_rows, lengths)
     if trials_ran:
         if trial_engine_seconds:  # what the trials cost besides the engines: the sample's reading, closing them
@@ -1246,6 +1280,50 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         name = COMPILING_START if "engine_compiled" in marks else "engine start"  # see first_compile
         out[engine_key(spec, engine)] = {name: max(_span(marks, *span) - _made_within(marks, *span), 0.0)}
     return out
+
+
+def _process_parts(marks: dict[str, float], trials_ran: bool, elsewhere: float) -> dict[str, float]:
+    """The parts every command's run has, an engine's or not: its imports, the API's start (not one that created
+    its database: _machine_parts), and the main
+    thread's own work besides what it did elsewhere (trials, the wait for the API before them, the early
+    engine start) and the parts measured apart (main_thread_parts). With a trial, the main thread's work ran
+    beside less of the API's start: stored apart (MAIN_BESIDE_TRIAL); no engine starting beside it, apart
+    too (MAIN_ALONE)."""
+    main = (_span(marks, "cli_ready", "tracking_warm") - elsewhere - _reading(marks) - _tracking(marks)[1]
+            - _span(marks, "sample_corpus_start", "sample_corpus_written"))
+    api = {} if "api_store_created" in marks else {"orchestrator API": _span(marks, "api_start", "api_ready")}
+    return {"python imports": _span(marks, "process", "cli_ready"), **api,
+            (MAIN_BESIDE_TRIAL if trials_ran else MAIN if "early_engine_start" in marks else MAIN_ALONE): main}
+
+
+def _machine_parts(spec: JobSpec, marks: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The parts any job's run measures for the next on this machine: the sample's reading (beside the tokens it
+    read), MLflow's store opened or created, the API's start that created its database, the command's imports'
+    CPU seconds (machine_speed)."""
+    out: dict[str, dict[str, float]] = {}
+    reading = _reading(marks)
+    if reading:
+        out[reading_key(spec.mode)] = {READING: reading, READ_TOKENS: float(_sample_read[0])}
+    machine = {}
+    name, seconds = _tracking(marks)
+    if name:
+        machine[name] = seconds
+    if "api_store_created" in marks:  # a first start here, apart from the API's later ones
+        machine[API_CREATED] = _span(marks, "api_start", "api_ready")
+    imports = command_imports_cpu()
+    if imports is not None:
+        machine[IMPORTS_CPU] = imports
+    if machine:
+        out[machine_key()] = machine
+    return out
+
+
+def _tracking(marks: dict[str, float]) -> tuple[str | None, float]:
+    """(TRACKING_CREATED or TRACKING_OPENED, its seconds) where the main thread opened MLflow's store."""
+    for end, name in (("tracking_created", TRACKING_CREATED), ("tracking_opened", TRACKING_OPENED)):
+        if end in marks:
+            return name, _span(marks, "tracking_open_start", end)
+    return None, 0.0
 
 
 def _first_shard(marks: dict[str, float], early: float) -> tuple[float, float]:

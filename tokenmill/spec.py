@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -346,6 +347,23 @@ class PricingSpec(_Spec):
     usd_per_gpu_hour_marginal: float = Field(
         0.0, ge=0.0, title="Marginal $ per GPU-Hour",
         description="What one more GPU-hour of work costs on GPUs already paid for (power, wear); with sunk.")
+
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+def resolve_tracking_uri(spec: JobSpec) -> str:
+    """The job's tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else a SQLite file in the cwd."""
+    return spec.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def local_tracking_store(spec: JobSpec) -> Path | None:
+    """The SQLite file of the job's MLflow store where it is one on this machine (MLflow creates it, tables
+    and all, the first time a run opens it); None for a server's or an in-memory store."""
+    uri = resolve_tracking_uri(spec)
+    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+        return None
+    return Path(uri[len("sqlite:///"):])
 
 
 class TrackingSpec(_Spec):

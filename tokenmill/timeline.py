@@ -98,13 +98,14 @@ PARTS = (
 
 
 def fixed_costs(now: float | None = None) -> dict[str, float]:
-    """Seconds from process start to the first engine call, and its parts (those measured).
-    Empty before the first engine call."""
+    """Seconds from process start to the first engine call, and its parts (those measured), and with `now`
+    the process's seconds to now. A job with no engine call (every shard finished before) has its parts and
+    process seconds, no fixed seconds; empty before its flow started."""
     origin = process_started() if _first_job else _marks.get("flow_started")
-    if origin is None or "first_engine_call" not in _marks:
+    if origin is None or not {"first_engine_call", "flow_called", "flow_started"} & set(_marks):
         return {}
     stamps = {"process": origin, **_marks}
-    costs = {"fixed_seconds": stamps["first_engine_call"] - stamps["process"]}
+    costs = {"fixed_seconds": stamps["first_engine_call"] - stamps["process"]} if "first_engine_call" in stamps else {}
     for metric, start, end in PARTS:
         if start in stamps and end in stamps and stamps[end] >= stamps[start]:
             costs[metric] = stamps[end] - stamps[start]

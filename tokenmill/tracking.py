@@ -29,11 +29,10 @@ from tokenmill.errors import ConfigError
 from tokenmill.processes import ProcessIdentity, is_gone
 from tokenmill.report import length_plot, shard_rows, summary_markdown
 from tokenmill.results import ShardResult
-from tokenmill.spec import JobSpec
+from tokenmill.spec import JobSpec, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 JOB_KEY = "tokenmill.job_key"
 HOST = "tokenmill.host"
 PID = "tokenmill.pid"
@@ -45,11 +44,6 @@ RESUMED_BY = "tokenmill.resumed_by"
 END_REASON = "tokenmill.end_reason"
 # A prompt longer than this is logged as its digest (the full text is in the job's spec).
 LONG_PARAM_CHARS = 250
-
-
-def resolve_tracking_uri(spec: JobSpec) -> str:
-    """The job's tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else a SQLite file in the cwd."""
-    return spec.tracking.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
 def mlflow_ui_command(tracking_uri: str) -> str:
