@@ -129,6 +129,75 @@ def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_p
     assert b.tokens > 3 * 0.9 * 16
 
 
+def test_a_rerun_with_every_shard_finished_is_predicted_without_an_engine_and_recorded(job_a, monkeypatch):
+    """`tokenmill run` again on the finished job: no engine starts in its prediction, and its record holds
+    prediction beside measurement, as a computing run's does; its main thread is stored as one with no engine
+    starting beside it."""
+    import mlflow
+
+    from tokenmill import prediction
+
+    line = prediction_line(tokenmill("run", "--config", str(job_a["root"] / "job.yaml"), "--no-progress",
+                                     cwd=job_a["root"], cache=job_a["cache"]))
+    assert "for 0 rows" in line and not re.search(r"; engine start [\d.]+ s \(", line)  # 0 s: not printed
+    assert f"{prediction.TRACKING_OPENED} " in line and prediction.TRACKING_CREATED not in line
+    mlflow.set_tracking_uri(job_a["job"]["tracking"]["mlflow_tracking_uri"])
+    runs = [r for r in mlflow.search_runs(experiment_names=["tests"], output_format="list", order_by=["start_time DESC"])
+            if "tokenmill.stage" not in r.data.tags]
+    assert len(runs) == 2
+    metrics = runs[0].data.metrics
+    assert metrics["measured_engine_seconds"] == 0 and metrics["measured_wall_seconds"] > 0
+    assert "wall_prediction_error" in metrics
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(job_a["cache"]))
+    stored = json.loads((job_a["cache"] / "run-parts.json").read_text())
+    from tokenmill.tasks.job import PrefectJob
+
+    assert len(stored[prediction.fixed_key(PrefectJob.model_validate(job_a["job"]), "transformers")][
+        prediction.MAIN_ALONE]) == 1
+    assert len(stored[prediction.machine_key()][prediction.TRACKING_OPENED]) >= 2  # plan's and calibrate's don't store
+
+
+def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they_happen(tmp_path, monkeypatch):
+    """A machine's first run creates the orchestrator's database and MLflow's store, and the demo's first run
+    writes its corpus: each is measured apart from the API's start and the main thread's work, and predicted
+    only where it will happen (the store not there; the database created by this process's API start)."""
+    from tokenmill import prediction, timeline
+    from tokenmill.prediction import API_CREATED, MAIN, MAIN_ALONE, READING, TRACKING_CREATED, TRACKING_OPENED
+
+    store = tmp_path / "mlflow.db"
+    spec = _gated_job(tmp_path)
+    spec = spec.model_copy(update={"model": spec.gate.reference, "tracking": spec.tracking.model_copy(
+        update={"mlflow_tracking_uri": f"sqlite:///{store}"})})
+    t0 = 1000.0
+    marks = {"process": t0, "cli_ready": t0 + 3, "api_start": t0 + 3, "api_store_created": t0 + 3,
+             "sample_corpus_start": t0 + 3.2, "sample_corpus_written": t0 + 4.2, "tracking_open_start": t0 + 5,
+             "tracking_created": t0 + 7.5, "tracking_warm": t0 + 8, "api_ready": t0 + 10, "flow_called": t0 + 10.5,
+             "gate_start": t0 + 11, "gate_verdict_kept": t0 + 11.1}  # every shard finished: no engine call
+    monkeypatch.setattr(timeline, "marks", lambda: dict(marks))
+    monkeypatch.setattr(timeline, "process_started", lambda: t0)
+    monkeypatch.setattr(timeline, "measures_process", lambda: True)
+    parts = prediction.measured_parts(spec, "transformers", {}, 0, False)
+    assert parts[prediction.fixed_key(spec, "transformers")] == {"python imports": pytest.approx(3.0),
+                                                                  MAIN_ALONE: pytest.approx(5.0 - 1.0 - 2.5)}
+    machine = parts[prediction.machine_key()]
+    assert machine[TRACKING_CREATED] == pytest.approx(2.5) and machine[API_CREATED] == pytest.approx(7.0)
+    assert parts[prediction.gate_key(spec)] == {prediction.GATE_KEPT: pytest.approx(0.1)}
+
+    key = prediction.fixed_key(spec, "transformers")
+    stored = {prediction.machine_key(): {TRACKING_OPENED: [1.0], TRACKING_CREATED: [2.5], API_CREATED: [7.0]},
+              key: {"orchestrator API": [3.0], MAIN: [0.5], "flow start": [0.2]}}
+    assert prediction.tracking_part(spec, stored)[:2] == (TRACKING_CREATED, 2.5)
+    store.write_bytes(b"")  # there now: the next run opens it
+    assert prediction.tracking_part(spec, stored)[:2] == (TRACKING_OPENED, 1.0)
+    first = prediction.orchestration_part(stored, key, 0.0, api_created=True)
+    assert first.seconds == pytest.approx(7.0 + 0.2) and "creating its database" in first.source
+    assert prediction.orchestration_part(stored, key, 0.0).seconds == pytest.approx(3.0 + 0.2)
+    sample = prediction.JobSample(rows=0, shards=0, lengths=[10])  # the corpus this process wrote: measured
+    apart = prediction.main_thread_parts(spec, sample, stored)
+    assert [name for name, _, _ in apart] == [READING, TRACKING_OPENED, "writing the sample corpus"]
+    assert apart[2][1] == pytest.approx(1.0)
+
+
 def test_engine_seconds_follow_the_rate_curve_over_length():
     from tokenmill.prediction import rate_at
 
