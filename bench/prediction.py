@@ -7,7 +7,8 @@ Each job runs as a whole process (`python -m tokenmill.cli run --config job.yaml
 to exit. The prediction is the one the process printed before it started work (tokenmill/prediction.py:
 the same one `tokenmill plan` and `tokenmill calibrate` print), read back from its MLflow run
 (`predicted_wall_seconds`). The bench starts from empty cache directories (tokenmill's, and vLLM's and
-torch's compiled graphs), so its first job is a first run on a new machine (every fixed part a stated default, the engine trials run), and each
+torch's compiled graphs, Prefect's home and the MLflow store), so its first job is a first run on a new machine
+(every fixed part a stated default, the engine trials run, the orchestrator's database created), and each
 later job is predicted from the parts the earlier ones measured: its engine's start, imports,
 orchestration and per-row overhead, and the trials' tokens/s over length (a new length class runs,
 or is judged from, trials of its own).
@@ -226,10 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(WORK / "cache", ignore_errors=True)  # a new machine, as far as tokenmill knows
     WORK.mkdir(parents=True, exist_ok=True)
     os.environ["TOKENMILL_CACHE_DIR"] = str(WORK / "cache")
-    # and as far as vLLM and torch know: a new machine's first vLLM start of a model compiles it
-    for folder, variable in (("vllm-cache", "VLLM_CACHE_ROOT"), ("inductor-cache", "TORCHINDUCTOR_CACHE_DIR")):
+    # and as far as vLLM and torch know: a new machine's first vLLM start of a model compiles it; and Prefect's
+    # and MLflow's: the first job's API creates its database, its run the MLflow store (tokenmill.prediction's
+    # first-run parts)
+    for folder, variable in (("vllm-cache", "VLLM_CACHE_ROOT"), ("inductor-cache", "TORCHINDUCTOR_CACHE_DIR"),
+                             ("prefect", "PREFECT_HOME")):
         shutil.rmtree(WORK / folder, ignore_errors=True)
         os.environ[variable] = str(WORK / folder)
+    (WORK / "mlflow.db").unlink(missing_ok=True)
     results, calibration = [], (0.0, "")
     for index, job in enumerate(jobs(args.quick)):
         if "calibration" in job.fields and not calibration[1]:
