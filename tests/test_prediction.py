@@ -164,6 +164,7 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     from tokenmill import prediction, timeline
     from tokenmill.prediction import API_CREATED, MAIN, MAIN_ALONE, READING, TRACKING_CREATED, TRACKING_OPENED
 
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     store = tmp_path / "mlflow.db"
     spec = _gated_job(tmp_path)
     spec = spec.model_copy(update={"model": spec.gate.reference, "tracking": spec.tracking.model_copy(
@@ -192,6 +193,12 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     first = prediction.orchestration_part(stored, key, 0.0, api_created=True)
     assert first.seconds == pytest.approx(7.0 + 0.2) and "creating its database" in first.source
     assert prediction.orchestration_part(stored, key, 0.0).seconds == pytest.approx(3.0 + 0.2)
+    # the API's later starts never measured yet: its first start here, less its database's creation at the default
+    del stored[key]["orchestrator API"]
+    factor = prediction.machine_speed()[0]
+    later = prediction.orchestration_part(stored, key, 0.0)
+    extra = (prediction.DEFAULT_API_CREATED - prediction.DEFAULT_SECONDS["orchestrator API"]) * factor
+    assert later.seconds == pytest.approx(7.0 - extra + 0.2) and "which created its database" in later.source
     sample = prediction.JobSample(rows=0, shards=0, lengths=[10])  # the corpus this process wrote: measured
     apart = prediction.main_thread_parts(spec, sample, stored)
     assert [name for name, _, _ in apart] == [READING, TRACKING_OPENED, "writing the sample corpus"]
