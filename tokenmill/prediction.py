@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -63,6 +62,7 @@ from tokenmill.engine_choice import (
     trials_cached,
 )
 from tokenmill.digest import stable_digest
+from tokenmill.json_store import read_json, rewrite_json
 from tokenmill.gate import (GateReport, candidate_models, chosen_model, job_for, known_verdict,
                             last_verdict_elsewhere, pick_cheapest)
 from tokenmill.models import resolve_model
@@ -294,27 +294,21 @@ def _parts_path() -> Path:
 
 
 def read_parts() -> dict[str, Any]:
-    try:
-        return json.loads(_parts_path().read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_json(_parts_path())
 
 
 def remember_parts(measured: dict[str, dict[str, float]]) -> None:
     """Measured seconds by (key, part name): appended to each part's last KEEP_LAST measurements."""
     if not measured:
         return
-    path = _parts_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    stored = read_parts()
-    for key, parts in measured.items():
-        entry = stored.setdefault(key, {})
-        for name, seconds in parts.items():
-            entry[name] = (entry.get(name, []) + [round(max(seconds, 0.0), 3)])[-KEEP_LAST:]
-        entry["_measured_at"] = [time.time()]
-    temporary = path.with_name(f".run-parts.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(stored, indent=1))
-    temporary.replace(path)  # atomic: a concurrent reader sees old or new
+    def append(stored: dict[str, Any]) -> None:
+        for key, parts in measured.items():
+            entry = stored.setdefault(key, {})
+            for name, seconds in parts.items():
+                entry[name] = (entry.get(name, []) + [round(max(seconds, 0.0), 3)])[-KEEP_LAST:]
+            entry["_measured_at"] = [time.time()]
+
+    rewrite_json(_parts_path(), append, indent=1)
 
 
 def fixed_key(spec: JobSpec, engine: str) -> str:
