@@ -390,7 +390,10 @@ def test_embedding_calls_give_each_length_their_own_rate_for_runs_and_gates(tmp_
     from tokenmill.prediction import _add_rate_parts, gate_samples_seconds, rates_key
     from tokenmill.tasks.job import PrefectJob
 
-    calls = [(16, 16_000.0, 0.6), (17, 17_000.0, 0.6), (256, 256_000.0, 8.0), (64, 640.0, 0.05)]
+    from tokenmill.call_costs import embed_call
+
+    calls = [embed_call([16] * 1000, 0.6), embed_call([17] * 1000, 0.6), embed_call([256] * 1000, 8.0),
+             embed_call([64] * 10, 0.05)]
     rates = class_rates(calls)
     assert set(rates) == {4, 8}  # 64 tokens a row: 0.05 s of 9.25, under the share
     assert rates[4] == pytest.approx((33_000 / 2000, 33_000 / 1.2)) and rates[8] == pytest.approx((256.0, 32_000.0))

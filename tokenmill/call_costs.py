@@ -90,8 +90,8 @@ def call_cost(pads: bool, lengths: Sequence[int], outputs: Sequence[Any], second
 _lock = threading.Lock()
 _run_calls: dict[str, list[CallCost]] = {}
 _run_answers: dict[str, list[int]] = {}
-# embedding calls, summed by their rows' mean length in tokens: {mean: [tokens, seconds]} (observe_embedding)
-_run_lengths: dict[str, dict[int, list[float]]] = {}
+# embedding calls, summed by their rows' mean length in tokens: {mean: their sum} (observe_embedding)
+_run_lengths: dict[str, dict[int, CallCost]] = {}
 
 
 def _runs_on(spec, engine: str) -> str:
@@ -126,16 +126,21 @@ def observe_embedding(spec, engine: str, calls: Sequence[CallCost]) -> None:
         kept = _run_lengths.setdefault(_runs_on(spec, engine), {})
         for call in calls:
             if call.rows:
-                sums = kept.setdefault(round(call.input_slots / call.rows), [0.0, 0.0])
-                sums[0] += call.input_slots
-                sums[1] += call.seconds
+                mean = round(call.input_slots / call.rows)
+                held = kept.get(mean)
+                kept[mean] = call if held is None else embed_sum(held, call)
 
 
-def take_lengths(spec, engine: str) -> list[tuple[int, float, float]]:
-    """(mean tokens a row of the calls, their tokens, their seconds) of this run's embedding calls."""
+def take_lengths(spec, engine: str) -> list[CallCost]:
+    """This run's embedding calls, summed by their rows' mean length (observe_embedding)."""
     with _lock:
-        return [(mean, tokens, seconds) for mean, (tokens, seconds)
-                in sorted(_run_lengths.pop(_runs_on(spec, engine), {}).items())]
+        return [call for _, call in sorted(_run_lengths.pop(_runs_on(spec, engine), {}).items())]
+
+
+def embed_sum(a: CallCost, b: CallCost) -> CallCost:
+    """Two embedding calls' rows, tokens and seconds as one call's."""
+    return CallCost(rows=a.rows + b.rows, input_slots=a.input_slots + b.input_slots, steps=0.0, output_slots=0.0,
+                    seconds=a.seconds + b.seconds)
 
 
 def take(spec, engine: str) -> list[CallCost]:

@@ -27,7 +27,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from pydantic import BaseModel
 
@@ -40,7 +40,7 @@ from tokenmill.engine_protocol import run_engine
 from tokenmill.engines import discard_engine, engine_key, get_engine, is_open
 from tokenmill.models import resolve_model
 from tokenmill.openai_batch import input_mode
-from tokenmill.call_costs import CallCost
+from tokenmill.call_costs import CallCost, embed_sum
 from tokenmill.runner import engine_pads, plan_feed, run_batches
 from tokenmill.versions import library_versions
 from tokenmill.sampling import corpus_samples
@@ -158,18 +158,19 @@ def length_class(mean_tokens: float) -> int:
 LENGTH_CLASS_SHARE = 0.1
 
 
-def class_rates(calls) -> dict[int, tuple[float, float]]:
-    """{length class: (mean tokens a row, tokens/s)} of embedding calls, each (mean tokens a row of its rows,
-    its tokens, its seconds) (call_costs.take_lengths), for every class that took LENGTH_CLASS_SHARE of their
-    seconds: rows of each length at their own rate, where one rate at the mean would be a rate at a length
-    no row has (a corpus of short and long rows)."""
-    sums: dict[int, list[float]] = {}  # tokens, seconds, rows
-    for mean, tokens, seconds in calls:
-        entry = sums.setdefault(length_class(mean), [0.0, 0.0, 0.0])
-        entry[0], entry[1], entry[2] = entry[0] + tokens, entry[1] + seconds, entry[2] + tokens / max(mean, 1)
-    timed = sum(seconds for _, seconds, _ in sums.values())
-    return {c: (tokens / rows, tokens / seconds) for c, (tokens, seconds, rows) in sorted(sums.items())
-            if seconds > 0 and rows > 0 and seconds >= LENGTH_CLASS_SHARE * timed}
+def class_rates(calls: Iterable[CallCost]) -> dict[int, tuple[float, float]]:
+    """{length class: (mean tokens a row, tokens/s)} of embedding calls (call_costs.embed_call; a run's:
+    call_costs.take_lengths), for every class that took LENGTH_CLASS_SHARE of their seconds: rows of each
+    length at their own rate, where one rate at the mean would be a rate at a length no row has (a corpus
+    of short and long rows)."""
+    sums: dict[int, CallCost] = {}
+    for call in calls:
+        if call.rows:
+            c = length_class(call.input_slots / call.rows)
+            sums[c] = call if c not in sums else embed_sum(sums[c], call)
+    timed = sum(call.seconds for call in sums.values())
+    return {c: (call.input_slots / call.rows, call.input_slots / call.seconds) for c, call in sorted(sums.items())
+            if call.seconds > 0 and call.seconds >= LENGTH_CLASS_SHARE * timed}
 
 
 def trial_key(spec: JobSpec, model_path: str, device: str, mean_tokens: float) -> str:

@@ -553,7 +553,7 @@ def text_similarity(first: list[str], second: list[str]) -> np.ndarray:
 def _cost(job: JobSpec, run: SampleRun, spec: JobSpec) -> ModelCost:
     cost = RunCost.for_job(spec, rows=len(run.outputs), input_tokens=run.tokens, output_tokens=0,
                            wall_seconds=run.seconds, engine_seconds=run.seconds)
-    by_length = class_rates([(c.input_slots / c.rows, c.input_slots, c.seconds) for c in run.calls if c.rows])
+    by_length = class_rates(run.calls)
     return ModelCost(model=_label(job), engine=job.model.engine, seconds=run.seconds, tokens=run.tokens,
                      tokens_per_s=cost.tokens_per_s, usd_per_1m_tokens=cost.usd_per_1m_tokens,
                      rates_by_length={str(c): [mean, rate] for c, (mean, rate) in by_length.items()})

@@ -1234,7 +1234,7 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
                    trials_ran: bool, rows_read: int | None = None,
                    trial_engine_seconds: float = 0.0, shards_read: int = 0,
                    gate_samples: float | None = None,
-                   lengths: list[tuple[int, float, float]] = ()) -> dict[str, dict[str, float]]:
+                   lengths: list[call_costs.CallCost] = ()) -> dict[str, dict[str, float]]:
     """This run's parts, by the cache key each is stored under (see `predict`). trial_engine_seconds: the
     trials' engines' whole trials (each engine's `wall_seconds`), when this run paid for trials;
     gate_samples: the seconds its eval gate's models spent on their timed samples, when it measured them;
@@ -1357,7 +1357,7 @@ def _gate_parts(spec: JobSpec, marks: dict[str, float], gate_samples: float | No
 
 
 def _add_rate_parts(out: dict[str, dict[str, float]], spec: JobSpec, engine: str, metrics: dict[str, float],
-                    engine_rows: int, lengths: list[tuple[int, float, float]] = ()) -> None:
+                    engine_rows: int, lengths: list[call_costs.CallCost] = ()) -> None:
     """The engine's tokens/s at this run's length class, and how far below its default rate it ran
     (compute_speed), where the run computed rows. Embedding calls timed one at a time (`lengths`:
     call_costs.take_lengths) give a rate at each length class that took a share of the engine's seconds:
