@@ -232,6 +232,7 @@ class Prediction(BaseModel):
     rows: int  # rows the engine computes
     tokens: float  # input + output tokens the engine computes
     parts: list[Part]
+    read_tokens: int = 0  # the tokens its sample read (JobSample.read_tokens): what its reading part grows with
 
     @property
     def seconds(self) -> float:
@@ -627,14 +628,11 @@ def job_sample(spec: JobSpec) -> JobSample:
     rows = rows_per_shard(spec, shards)
     todo = [(s, n) for s, n in zip(shards, rows) if s.shard_id not in done]
     model_path = resolve_model(spec.model_name)
-    first = "sample_read_start" not in timeline.marks()  # a run's is its prediction's, on its main thread
-    timeline.mark("sample_read_start")
+    timeline.mark("sample_read_start")  # the first wins: a run's is its prediction's, on its main thread
     trial_ids, sampled = sample_rows(spec, model_path, [TRIAL_ROWS[spec.mode], LENGTH_SAMPLE_ROWS[spec.mode]])
     timeline.mark("sample_read_done")
     trial = [len(r) for r in trial_ids]
     read_tokens = sum(trial) + sum(len(r) for r in sampled)
-    if first:
-        _sample_read[:] = [read_tokens]
     lengths = [len(r) for r in sampled]
     distinct_lengths = [len(r) for r in dict.fromkeys(tuple(r) for r in sampled)]
     share = 0.0
@@ -648,7 +646,6 @@ def job_sample(spec: JobSpec) -> JobSample:
                      distinct_source=counted, rows_read=rows_read, read_tokens=read_tokens)
 
 
-_sample_read: list[int] = []  # the tokens this process's first sample read (READ_TOKENS): a run's prediction's
 
 
 def distinct_share(spec: JobSpec, shards) -> tuple[float, str]:
@@ -809,7 +806,7 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
     if why.startswith("default"):
         out[0].source += f"; engine {engine}: {why}"
     rows = sample.rows_to_compute(collapses(spec, engine, sample))
-    return Prediction(engine=engine, rows=rows, tokens=tokens, parts=out)
+    return Prediction(engine=engine, rows=rows, tokens=tokens, parts=out, read_tokens=sample.read_tokens)
 
 
 def _seconds(parts: dict[str, Any], key: str, name: str) -> dict[str, Any]:
@@ -1300,9 +1297,9 @@ def _machine_parts(spec: JobSpec, marks: dict[str, float]) -> dict[str, dict[str
     read), MLflow's store opened or created, the API's start that created its database, the command's imports'
     CPU seconds (machine_speed)."""
     out: dict[str, dict[str, float]] = {}
-    reading = _reading(marks)
-    if reading:
-        out[reading_key(spec.mode)] = {READING: reading, READ_TOKENS: float(_sample_read[0])}
+    reading, made = _reading(marks), made_for(spec)
+    if reading and made is not None and made.read_tokens:  # the tokens its prediction's sample read
+        out[reading_key(spec.mode)] = {READING: reading, READ_TOKENS: float(made.read_tokens)}
     machine = {}
     name, seconds = _tracking(marks)
     if name:
@@ -1339,7 +1336,7 @@ def _reading(marks: dict[str, float]) -> float:
     """The prediction's reading of the job's sample on the main thread (READING), where this process's first
     sample was read there (between the command's start and the warm tracking store)."""
     start = marks.get("sample_read_start", 0.0)
-    if not _sample_read or not marks.get("cli_ready", math.inf) <= start <= marks["tracking_warm"]:
+    if not marks.get("cli_ready", math.inf) <= start <= marks["tracking_warm"]:
         return 0.0
     return _span(marks, "sample_read_start", "sample_read_done")
 
