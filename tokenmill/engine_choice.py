@@ -406,15 +406,26 @@ def corpus_answers(spec: JobSpec, trials: list[EngineTrial]) -> tuple[list[int],
     return (own, trial_cap, "this corpus's trial") if own else None
 
 
+def answers_at_cap(spec: JobSpec, trials: list[EngineTrial]) -> tuple[list[int], str] | None:
+    """corpus_answers' answers at the job's cap (those cut at the cap they ran to taken to it:
+    call_costs.answer_lengths), and what measured them; None where nothing generated this corpus here."""
+    measured = corpus_answers(spec, trials)
+    if measured is None:
+        return None
+    answers, ran_to, source = measured
+    cap = spec.generation.max_tokens
+    cut = f", those cut at its cap of {ran_to} taken to {cap}" if cap > ran_to else ""
+    return call_costs.answer_lengths(answers, ran_to, cap), f"{source}{cut}"
+
+
 def output_tokens_per_row(spec: JobSpec, trials: list[EngineTrial]) -> float:
     """Generation: the output tokens a job's row will have, from what generated this job's own corpus and
     prompt here: the mean of its answers (corpus_answers); of trials that kept no answers (n > 1), their
     output tokens a row, or, where those ran to the trial's cap (or nothing generated this corpus: another
     corpus's answers say nothing of this one's), the job's own cap (0.9 of max_tokens, times n)."""
-    measured = corpus_answers(spec, trials) if spec.generation.n == 1 else None
-    if measured is not None:  # each answer, those cut at the cap they ran to taken to the job's
-        answers, cap, _ = measured
-        return statistics.fmean(call_costs.answer_lengths(answers, cap, spec.generation.max_tokens))
+    measured = answers_at_cap(spec, trials) if spec.generation.n == 1 else None
+    if measured is not None:
+        return statistics.fmean(measured[0])
     trials = [t for t in trials if t.corpus == output_identity(spec)]
     out_per_row = max((t.output_tokens / t.rows for t in trials if t.rows), default=0.0)
     trial_cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)

@@ -49,10 +49,10 @@ from tokenmill.device import core_gflops, device_label, usable_cores
 from tokenmill.engine_choice import (
     TRIAL_MAX_TOKENS,
     TRIAL_ROWS,
+    answers_at_cap,
     answers_key,
     cache_dir,
     class_rates,
-    corpus_answers,
     engine_trials,
     length_class,
     output_tokens_per_row,
@@ -572,14 +572,12 @@ def job_answers(spec: JobSpec, trials) -> tuple[list[int], str]:
     this job's corpus and prompt here (engine_choice.corpus_answers: its runs, its calibration, its trials);
     else every row's to the cap, an upper bound (another corpus's answers say nothing of this one's)."""
     cap = spec.generation.max_tokens
-    measured = corpus_answers(spec, [t for _, t in trials])
+    measured = answers_at_cap(spec, [t for _, t in trials])
     if measured is None:
         return [cap], (f"every answer to the cap ({cap} tokens), an upper bound: no run, trial or calibration "
                        "generated this corpus with this prompt here")
-    lengths, ran_to, source = measured
-    answers = call_costs.answer_lengths(lengths, ran_to, cap)
-    cut = f", those cut at its cap of {ran_to} taken to {cap}" if cap > ran_to else ""
-    return answers, f"answers of {statistics.fmean(answers):.0f} tokens a row ({source}{cut})"
+    answers, source = measured
+    return answers, f"answers of {statistics.fmean(answers):.0f} tokens a row ({source})"
 
 
 def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed: bool, tokens: float,
