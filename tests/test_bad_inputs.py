@@ -70,10 +70,20 @@ def test_a_missing_column_is_an_error_naming_file_and_column(tmp_path):
     lines = [json.dumps({"id": f"j{i}", "body": "text"}) for i in range(3)]
     (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
     (shard,) = discover_shards(str(tmp_path))
+    # the file's own columns, not only those the job's read took
     with pytest.raises(InputError, match=r"docs\.jsonl, column 'text': required column is missing "
-                                         r"\(columns found: id\)"):
+                                         r"\(columns found: id, body\)"):
         run_shard(shard, resolve_job(spec_for(tmp_path, tmp_path)))
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.parquet"))
+    # the prediction's and the gate's sample of the corpus say the same (a first read with too few columns
+    # said `columns found: text` of a file that also had `doc_id`)
+    from tokenmill.sampling import corpus_sample
+
+    pq.write_table(pa.table({"doc_id": ["a", "b"], "text": ["x", "y"]}), tmp_path / "ids.parquet")
+    (tmp_path / "docs.jsonl").unlink()
+    with pytest.raises(InputError, match=r"ids\.parquet, column 'id': required column is missing "
+                                         r"\(columns found: doc_id, text\); the job names it in id_column"):
+        corpus_sample(spec_for(tmp_path, tmp_path), 2)
 
 
 def test_a_wrong_column_type_is_an_error_naming_file_and_column(tmp_path):

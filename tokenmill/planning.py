@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from tokenmill.economics import per_million
 from tokenmill.encoding import encode_rows
 from tokenmill.models import resolve_model
-from tokenmill.prompts import prompt_inputs, read_columns, validate_job_rows
+from tokenmill.prompts import prompt_inputs, read_job_rows
 from tokenmill.row_cache import cached_token_share
 from tokenmill.sampling import corpus_sample
 from tokenmill.shards import discover_shards_for, read_shard
@@ -95,8 +95,7 @@ def row_cache_share(spec: JobSpec, shards, shard_rows: list[int], sample_rows: i
     sampled = 0
     found_engine = None
     for index in picked:
-        table, _ = read_shard(shards[index], read_columns(spec), spec.storage_options)
-        valid = validate_job_rows(table, shards[index].uri, spec).valid
+        valid = read_job_rows(shards[index], spec)[0].valid
         ids = [str(i) for i in valid.column(spec.id_column).to_pylist()]
         chosen = sorted(range(len(ids)), key=lambda i: hashlib.sha256(ids[i].encode()).hexdigest())[:per_shard]
         if not chosen:

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 
 from tokenmill.errors import InputError
-from tokenmill.shards import ROW_NUMBER, ShardSpec
+from tokenmill.shards import ROW_NUMBER, ShardSpec, read_shard
 from tokenmill.spec import JobSpec
 
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -225,6 +225,18 @@ def _chat_problem(value: Any) -> str | None:
                 or not isinstance(message.get("content"), str):
             return "has a message that is not {role: string, content: string}"
     return None
+
+
+def read_job_rows(shard: ShardSpec, spec: JobSpec) -> tuple[Any, list[tuple[int, str]], int]:
+    """A shard's rows as a job reads them, only the columns it names (read_columns), validated
+    (validate_job_rows): (the validated rows, the lines it could not read with their reasons, the rows in).
+    A column the job names that the file lacks is reported with the file's own columns, not only those
+    this read took (`columns found: text`, where the file also had `doc_id`)."""
+    columns = read_columns(spec)
+    table, unreadable = read_shard(shard, columns, spec.storage_options)
+    if columns is not None and not set(columns) <= set(table.column_names):
+        check_columns(input_column_names(shard, spec.storage_options), shard.uri, spec)
+    return validate_job_rows(table, shard.uri, spec), unreadable, table.num_rows + len(unreadable)
 
 
 def validate_job_rows(table: pa.Table, uri: str, spec: JobSpec):

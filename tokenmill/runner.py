@@ -28,12 +28,12 @@ from tokenmill.engine_protocol import Engine, run_engine, token_budget
 from tokenmill.memory import HeapGuard
 from tokenmill.openai_batch import OPENAI_BATCH_STEPS
 from tokenmill.outputs import OutputStore, build_output, structured_invalid_rows, write_shard_tables
-from tokenmill.prompts import prefix_order, prompt_inputs, read_columns, validate_job_rows
+from tokenmill.prompts import prefix_order, prompt_inputs, read_job_rows
 from tokenmill.resolved_job import ResolvedJob
 from tokenmill.results import ShardResult
 from tokenmill.row_cache import RowReuse, reuse_rows
 from tokenmill.shard_pipeline import ShardSteps, run_shard_steps
-from tokenmill.shards import ROW_NUMBER, ShardSpec, read_shard
+from tokenmill.shards import ROW_NUMBER, ShardSpec
 from tokenmill.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -170,9 +170,7 @@ ROW_STEPS = ShardSteps(prepare=_prepare_rows, run=_run_rows, write=_write_rows)
 def _read_validate_encode(shard: ShardSpec, spec: JobSpec, model_path: str) -> tuple[int, pa.Table, EncodedRows, list]:
     """The shard's first steps: read, validate, tokenize, and drop the rows over the model's input limit;
     (rows in, the valid rows, their token ids, the rejects so far)."""
-    table, unreadable = read_shard(shard, read_columns(spec), spec.storage_options)
-    rows_in = table.num_rows + len(unreadable)
-    validated = validate_job_rows(table, shard.uri, spec)
+    validated, unreadable, rows_in = read_job_rows(shard, spec)
     rejects = [(row, None, reason) for row, reason in unreadable] + validated.rejects
     encoded = encode_rows(prompt_inputs(validated.valid, spec), spec, model_path)
     valid, encoded, overlong = _drop_overlong(validated.valid, encoded, spec)

@@ -6,8 +6,8 @@ import hashlib
 from typing import Any
 
 from tokenmill.errors import InputError
-from tokenmill.prompts import prompt_inputs, read_columns, validate_job_rows
-from tokenmill.shards import discover_shards_for, read_shard
+from tokenmill.prompts import prompt_inputs, read_job_rows
+from tokenmill.shards import discover_shards_for
 from tokenmill.spec import JobSpec
 
 
@@ -40,8 +40,7 @@ def _pool(spec: JobSpec, source: str, limit: int | None) -> list[tuple[str, Any]
     # the columns prompts are made of; a row is its text, or a mapping for encode_rows (see prompt_inputs)
     job = spec.model_copy(update={"passthrough_columns": []})
     for shard in shards:
-        table, _ = read_shard(shard, read_columns(job), spec.storage_options)
-        valid = validate_job_rows(table, shard.uri, job).valid
+        valid = read_job_rows(shard, job)[0].valid
         pool += list(zip([str(i) for i in valid.column(spec.id_column).to_pylist()], prompt_inputs(valid, job)))
         if limit is not None and len(pool) >= limit:
             break
