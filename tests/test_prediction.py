@@ -301,6 +301,7 @@ def test_a_first_vllm_start_of_a_model_here_pays_its_compile_and_later_starts_lo
     from tokenmill.vllm_engine import compiled_graphs
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
     monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
     spec = JobSpec.model_validate({"input": "in", "mode": "embed", "model": {"name": "all-MiniLM-L6-v2", "engine": "vllm"}})
     sample = JobSample(rows=100, shards=1, lengths=[20] * 32)
@@ -326,10 +327,23 @@ def test_a_first_vllm_start_of_a_model_here_pays_its_compile_and_later_starts_lo
     loaded = compiled_trial.model_copy(update={"start_seconds": 30.0, "compiled": False})
     assert engine_start_part(spec, "vllm", sample, {}, [(20.0, compiled_trial), (20.0, loaded)]).seconds == 30.0
     # what tells them apart: a start that adds a folder to vLLM's torch.compile cache compiled
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
     assert compiled_graphs() == set()
     (tmp_path / "vllm" / "torch_compile_cache" / "torch_aot_compile" / "0a1b").mkdir(parents=True)
     assert compiled_graphs() == {"torch_aot_compile/0a1b"}
+    # vLLM's cache keeps, beside the graphs, which model's start compiled them: with tokenmill's cache emptied
+    # and vLLM's kept, the next start loads them, and the prediction adds no compile
+    from tokenmill.models import resolve_model
+    from tokenmill.vllm_engine import _index_graphs, graphs_kept
+
+    model_path = resolve_model(spec.model_name)
+    assert not graphs_kept(model_path, "embed")
+    _index_graphs(model_path, "embed", {"torch_aot_compile/0a1b"})
+    assert graphs_kept(model_path, "embed") and not graphs_kept(model_path, "generate")
+    compile_s, why = first_compile(spec, "vllm", {}, [])
+    assert compile_s == 0 and "holds the graphs" in why
+    assert engine_start_part(spec, "vllm", sample, {}, []).seconds == pytest.approx(prediction.default_start("vllm", "embed"))
+    (tmp_path / "vllm" / "torch_compile_cache" / "torch_aot_compile" / "0a1b").rmdir()  # vLLM's cache cleared
+    assert not graphs_kept(model_path, "embed") and first_compile(spec, "vllm", {}, [])[0] > 0
 
 
 def test_first_run_trials_are_each_engine_from_its_measured_parts(monkeypatch):

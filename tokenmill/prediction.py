@@ -76,6 +76,7 @@ from tokenmill.row_cache import bypass_reason, cache_uri
 from tokenmill.runner import engine_pads, plan_feed
 from tokenmill.shards import discover_shards_for, read_shard
 from tokenmill.spec import JobSpec, local_tracking_store
+from tokenmill.vllm_engine import graphs_kept
 
 # For a part never measured on this machine: seconds (per 1,000 rows where the name says so), stated
 # with the prediction. What a quiet 2-core CPU (CI's machine type) measured in bench/PREDICTION.md's runs
@@ -928,7 +929,7 @@ def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: l
         if start is None:
             start, start_source = default_start_here(engine, spec.mode), "default"
             compiling, why = first_compile(spec, engine, parts, trials)
-            if compiling:
+            if why:
                 start, start_source = start + compiling, f"default; {why}"
         if points:
             curve = [(m + min(out_per_row, TRIAL_MAX_TOKENS), r) for m, r, _ in points]
@@ -971,6 +972,8 @@ def first_compile(spec: JobSpec, engine: str, parts: dict[str, Any], trials) -> 
         return 0.0, ""
     if any(parts.get(engine_key(spec, engine), {}).get(name) for name in ("engine start", COMPILING_START)):
         return 0.0, ""
+    if graphs_kept(resolve_model(spec.model_name), spec.mode):  # tokenmill's cache emptied, vLLM's kept
+        return 0.0, "vLLM's cache holds the graphs an earlier start of this model compiled: it loads them"
     factor, speed = machine_speed()
     default = DEFAULT_VLLM_COMPILE[spec.mode]
     return default * factor, (f"its first start here compiles the model: + {default * factor:.1f} s (default: "
@@ -998,7 +1001,7 @@ def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict
         seconds, source = trial_start(spec, engine, sample, loads), "its trial's start, no run here yet"
     elif source.startswith("default"):
         compiling, why = first_compile(spec, engine, parts, trials)
-        if compiling:
+        if why:
             seconds, source = seconds + compiling, f"{source}; {why}"
     making, made = (0.0, "") if gate_makes else making_part(models_to_make(spec))
     if making:

@@ -22,6 +22,7 @@ import numpy as np
 from tokenmill import timeline
 from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.generation import vllm_sampling_params
+from tokenmill.json_store import read_json, rewrite_json
 from tokenmill.processes import ProcessIdentity, is_gone, process_stat
 from tokenmill.spec import GenerationParams, JobSpec
 
@@ -37,18 +38,42 @@ ENGINE_THREAD_JOIN_SECONDS = 30.0
 ENGINE_SHUTDOWN_SECONDS = 2.0
 
 
+GRAPHS_INDEX = "tokenmill-graphs.json"  # in the compile cache: {model path|mode: the graph folders its start added}
+
+
+def _compile_cache() -> Path:
+    """VLLM_CACHE_ROOT/torch_compile_cache, read as vllm.envs reads it (without importing vLLM, which a
+    prediction on the main thread would pay seconds for)."""
+    cache_home = os.getenv("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    return Path(os.path.expanduser(os.getenv("VLLM_CACHE_ROOT", os.path.join(cache_home, "vllm")))) / "torch_compile_cache"
+
+
 def compiled_graphs() -> set[str]:
     """The models vLLM keeps compiled on this machine: the folders of its torch.compile cache
     (VLLM_CACHE_ROOT/torch_compile_cache: torch_aot_compile/<hash>, or <hash>/rank_0_0 in older vLLM),
     one per model and configuration. A start that adds one compiled its model (20-30 s of a 2-core CPU's
     start); one that adds none loaded an earlier start's graphs."""
+    root = _compile_cache()
     try:
-        import vllm.envs as envs
-
-        root = Path(envs.VLLM_CACHE_ROOT) / "torch_compile_cache"
         return {str(p.relative_to(root)) for p in root.glob("*/*") if p.is_dir()}
-    except Exception:  # noqa: BLE001 - no cache to read: nothing known compiled
+    except OSError:  # no cache to read: nothing known compiled
         return set()
+
+
+def graphs_kept(model_path: str, mode: str) -> bool:
+    """Whether vLLM's cache still holds graphs a start of this model in this mode compiled (GRAPHS_INDEX,
+    beside the graphs: it goes where they go, whatever became of tokenmill's own cache): its next start
+    loads them, it does not compile."""
+    added = read_json(_compile_cache() / GRAPHS_INDEX).get(f"{model_path}|{mode}") or []
+    return bool(set(added) & compiled_graphs())
+
+
+def _index_graphs(model_path: str, mode: str, added: set[str]) -> None:
+    try:
+        rewrite_json(_compile_cache() / GRAPHS_INDEX,
+                     lambda index: index.update({f"{model_path}|{mode}": sorted(added)}))
+    except OSError as exc:  # a read-only cache: the next prediction adds the compile, as before any start
+        log.debug("indexing vLLM's compiled graphs failed: %s", exc)
 
 
 class VLLMEngine(Engine):
@@ -67,9 +92,11 @@ class VLLMEngine(Engine):
         self.start_seconds = time.perf_counter() - started
         # a start that compiled the model (its first here, or after vLLM's cache was cleared) against one that
         # loaded what an earlier start compiled: tokenmill.prediction holds them apart
-        self.compiled = bool(compiled_graphs() - graphs)
+        added = compiled_graphs() - graphs
+        self.compiled = bool(added)
         if self.compiled:
             timeline.mark("engine_compiled")
+            _index_graphs(model_path, spec.mode, added)
         self.client_threads = [t for t in threading.enumerate()
                                if t not in before and t.name in VLLM_CLIENT_THREADS]
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
