@@ -645,8 +645,6 @@ def job_sample(spec: JobSpec) -> JobSample:
                      distinct_source=counted, rows_read=rows_read, read_tokens=read_tokens)
 
 
-
-
 def distinct_share(spec: JobSpec, shards) -> tuple[float, str]:
     """The share of these shards' rows the engine computes once identical inputs are computed once
     (tokenmill.row_cache: collapsed within a shard; with the row cache on, a later shard also finds an
@@ -1281,11 +1279,10 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
 
 def _process_parts(marks: dict[str, float], trials_ran: bool, elsewhere: float) -> dict[str, float]:
     """The parts every command's run has, an engine's or not: its imports, the API's start (not one that created
-    its database: _machine_parts), and the main
-    thread's own work besides what it did elsewhere (trials, the wait for the API before them, the early
-    engine start) and the parts measured apart (main_thread_parts). With a trial, the main thread's work ran
-    beside less of the API's start: stored apart (MAIN_BESIDE_TRIAL); no engine starting beside it, apart
-    too (MAIN_ALONE)."""
+    its database: _machine_parts), and the main thread's own work besides what it did elsewhere (trials, the
+    wait for the API before them, the early engine start) and the parts measured apart (main_thread_parts).
+    With a trial, the main thread's work ran beside less of the API's start: stored apart (MAIN_BESIDE_TRIAL);
+    no engine starting beside it, apart too (MAIN_ALONE)."""
     main = (_span(marks, "cli_ready", "tracking_warm") - elsewhere - _reading(marks) - _tracking(marks)[1]
             - _span(marks, "sample_corpus_start", "sample_corpus_written"))
     api = {} if "api_store_created" in marks else {"orchestrator API": _span(marks, "api_start", "api_ready")}
