@@ -156,7 +156,10 @@ def _database_exists() -> bool:
     """Whether the ephemeral API's SQLite database is there (a server's on another database: assumed so)."""
     from prefect.settings import get_current_settings
 
-    url = get_current_settings().server.database.connection_url
+    try:
+        url = get_current_settings().server.database.connection_url
+    except AttributeError:  # settings laid out otherwise (another Prefect): not a first run's cost to predict
+        return True
     url = url.get_secret_value() if hasattr(url, "get_secret_value") else str(url or "")
     if not url.startswith("sqlite") or ":///" not in url or url.endswith(":memory:"):
         return True
