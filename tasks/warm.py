@@ -25,7 +25,7 @@ from pathlib import Path
 import prefect
 
 from tokenmill import timeline
-from tokenmill.spec import JobSpec
+from tokenmill.spec import JobSpec, sqlite_file
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +160,8 @@ def _database_exists() -> bool:
         url = get_current_settings().server.database.connection_url
     except AttributeError:  # settings laid out otherwise (another Prefect): not a first run's cost to predict
         return True
-    url = url.get_secret_value() if hasattr(url, "get_secret_value") else str(url or "")
-    if not url.startswith("sqlite") or ":///" not in url or url.endswith(":memory:"):
-        return True
-    return Path(url.split(":///", 1)[1]).exists()
+    path = sqlite_file(url.get_secret_value() if hasattr(url, "get_secret_value") else str(url or ""))
+    return path is None or path.exists()
 
 
 def finish_api_start(api: EphemeralApi | None) -> None:

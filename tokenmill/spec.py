@@ -360,10 +360,14 @@ def resolve_tracking_uri(spec: JobSpec) -> str:
 def local_tracking_store(spec: JobSpec) -> Path | None:
     """The SQLite file of the job's MLflow store where it is one on this machine (MLflow creates it, tables
     and all, the first time a run opens it); None for a server's or an in-memory store."""
-    uri = resolve_tracking_uri(spec)
-    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+    return sqlite_file(resolve_tracking_uri(spec))
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file a SQLite URL names (sqlite:///path, sqlite+driver:///path); None for any other URL, or in memory."""
+    if not url.startswith("sqlite") or ":///" not in url or url.endswith(":memory:"):
         return None
-    return Path(uri[len("sqlite:///"):])
+    return Path(url.split(":///", 1)[1])
 
 
 class TrackingSpec(_Spec):
