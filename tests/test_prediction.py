@@ -760,3 +760,89 @@ def test_a_model_not_made_here_yet_is_predicted_with_its_making(tmp_path, monkey
     assert again == to_make
     seconds, says = prediction.making_part(again[1:])
     assert seconds == pytest.approx(made_seconds("onnx", to_make[1][1])[0]) and "made here before, median of 1" in says
+
+
+def _generation_job(root, rows: int, engine: str = "transformers") -> dict:
+    (root / "in").mkdir()
+    write_parquet(root / "in" / "docs.parquet", [f"g{i}" for i in range(rows)],
+                  [f"{TEXTS[i % len(TEXTS)]} ({i})" for i in range(rows)])
+    return {"input": str(root / "in"), "output": str(root / "out"), "mode": "generate",
+            "model": {"name": "SmolLM2-135M-Instruct", "engine": engine},
+            "generation": {"max_tokens": 8, "messages": [{"role": "user", "content": "Summarize: {text}"}]},
+            "tracking": {"mlflow_tracking_uri": f"sqlite:///{root}/mlflow.db", "experiment": "tests"}}
+
+
+def test_a_generation_run_on_a_corpus_never_generated_here_measures_its_answers_before_it_predicts(tmp_path):
+    """`tokenmill run` of a generation job whose corpus's answers nothing here measured: its engine generates
+    the corpus's sample at the job's cap first, and the prediction plans the calls with those answers (not
+    every answer to the cap), counts the probe's seconds as measured, and leaves its rows (kept in the row
+    cache) out of the engine's; the run still writes every row, and its answers replace the probe's."""
+    from tokenmill import call_costs
+    from tokenmill.answer_probe import PROBE_ROWS
+    from tokenmill.engine_choice import answers_key
+    from tokenmill.prediction import ANSWER_PROBE
+    from tokenmill.spec import JobSpec
+
+    job = _generation_job(tmp_path, rows=24)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    cache = tmp_path / "cache"
+    stdout = tokenmill("run", "--config", str(tmp_path / "job.yaml"), "--no-progress", cwd=tmp_path, cache=cache)
+    line = prediction_line(stdout)
+    assert f"{ANSWER_PROBE} " in line and "this corpus's last probe" in line and "every answer to the cap" not in line
+    assert f"for {24 - PROBE_ROWS} rows" in line and f"probe's {PROBE_ROWS} rows, generated before this" in line
+    assert "Rows:      24 in = 24 out + 0 rejected" in stdout
+    import mlflow
+
+    mlflow.set_tracking_uri(job["tracking"]["mlflow_tracking_uri"])
+    (run,) = mlflow.search_runs(experiment_names=["tests"], output_format="list")
+    assert run.data.metrics["rows_from_cache"] == PROBE_ROWS  # the probe's, kept: not computed again
+    stored = call_costs.read_answers(cache, answers_key(JobSpec.model_validate(job)))
+    assert stored.source == "run" and stored.cap == 8
+    parts = json.loads((cache / "run-parts.json").read_text())
+    assert any(k.endswith("|transformers|SmolLM2-135M-Instruct|generate") and v.get("engine start")
+               for k, v in parts.items())  # the engine's start, inside the probe, stored as a start
+
+
+def test_only_a_generation_corpus_never_generated_here_on_an_engine_named_is_probed(tmp_path, monkeypatch):
+    """The probe runs where the prediction would plan every answer to the cap, on an engine given by name or
+    auto's chosen without a trial; its span is the main thread's work apart (predicted as measured, never
+    stored as the main thread's), the engine's start within it is stored as the engine's start, and its kept
+    rows are out of the engine's."""
+    from tokenmill import call_costs, prediction, timeline
+    from tokenmill.answer_probe import needs_probe
+    from tokenmill.engine_choice import answers_key, cache_dir
+    from tokenmill.spec import JobSpec
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    spec = JobSpec.model_validate(_generation_job(tmp_path, rows=24))
+
+    def job(**model):
+        return spec.model_copy(update={"model": spec.model.model_copy(update=model)})
+
+    assert needs_probe(spec) and needs_probe(job(engine="vllm"))
+    assert not needs_probe(job(engine="auto"))  # its trials generate the sample, and the prediction plans them
+    monkeypatch.setattr("tokenmill.answer_probe.trials_cached", lambda spec, mean_tokens: True)
+    assert needs_probe(job(engine="auto"))  # no trial will run: auto chooses from the cached ones
+    assert not needs_probe(spec.model_copy(update={"generation": spec.generation.model_copy(update={"n": 2})}))
+    assert not needs_probe(spec.model_copy(update={"mode": "embed", "model": spec.model.model_copy(
+        update={"name": "all-MiniLM-L6-v2"})}))
+    call_costs.remember_answers(cache_dir(), answers_key(spec), [3, 5, 8], 8, "calibration")
+    assert not needs_probe(spec)
+
+    t0 = 1000.0
+    marks = {"process": t0, "cli_ready": t0 + 3, "api_start": t0 + 3, "early_engine_start": t0 + 3.5,
+             "early_engine_ready": t0 + 7.5, "answer_probe_start": t0 + 7.5, "answer_probe_done": t0 + 10.5,
+             "tracking_warm": t0 + 12, "api_ready": t0 + 9, "flow_called": t0 + 12.5, "first_shard_started": t0 + 13,
+             "first_engine_call": t0 + 13.5, "shards_done": t0 + 20, "record_started": t0 + 20.5}
+    monkeypatch.setattr(timeline, "marks", lambda: dict(marks))
+    monkeypatch.setattr(timeline, "process_started", lambda: t0)
+    monkeypatch.setattr(timeline, "measures_process", lambda: True)
+    parts = prediction.measured_parts(spec, "transformers", {"engine_seconds": 6.0, "engine_tokens": 400.0}, 8, False)
+    # 9 s on the main thread: 4 s the engine's start, 3 s generating and keeping its rows
+    assert parts[prediction.fixed_key(spec, "transformers")][prediction.MAIN] == pytest.approx(9 - 4 - 3)
+    assert parts[prediction.engine_key(spec, "transformers")] == {"engine start": pytest.approx(4.0)}
+    apart = prediction.main_thread_parts(spec, prediction.JobSample(rows=24, shards=1, lengths=[10]), {})
+    assert [(name, seconds) for name, seconds, _ in apart if name == prediction.ANSWER_PROBE] == [
+        (prediction.ANSWER_PROBE, pytest.approx(3.0))]
+    sample = prediction.JobSample(rows=24, shards=1, lengths=[10], probe_kept=16)
+    assert sample.rows_to_compute(False) == 8

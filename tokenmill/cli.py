@@ -213,7 +213,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if getattr(spec, "dispatch", "local") == "local":  # a fleet's workers choose their engines on their GPUs
         from tokenmill.prediction import predict_job
 
-        print(predict_job(spec).describe(), flush=True)  # before any work: the record holds it to the run
+        # before any other work (but a generation corpus's answers' probe: tokenmill.answer_probe): the record
+        # holds it to the run
+        print(predict_job(spec, probe=True).describe(), flush=True)
     start_engine_early(spec, api)
     warm_tracking(spec)  # in the API's start, which the main thread would otherwise wait out idle
     finish_api_start(api)

@@ -45,6 +45,7 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from tokenmill import call_costs, timeline
+from tokenmill.answer_probe import probe_answers
 from tokenmill.device import core_gflops, device_label, usable_cores
 from tokenmill.engine_choice import (
     TRIAL_MAX_TOKENS,
@@ -127,6 +128,9 @@ DEFAULT_TRACKING = {TRACKING_OPENED: 1.4, TRACKING_CREATED: 2.3}
 # (the quiet 2-core Xeon: 6.9 s, against 3.2 s for the same API's later starts).
 API_CREATED = "orchestrator API, its database created"
 DEFAULT_API_CREATED = 6.8
+# A run of a generation job whose corpus's answers nothing here measured generates a few of its rows first
+# (tokenmill.answer_probe), on the main thread before it predicts: measured, never stored.
+ANSWER_PROBE = "the answers' probe"
 OVERHEAD = "shard overhead per 1,000 rows"
 # Each shard is a Prefect task: its run, state and persisted result cost about this much whatever its rows.
 # Measured 0.45 s a shard on a machine whose imports took 3.8 s (bench/PREDICTION.md's runs: 0.56 s for
@@ -277,6 +281,7 @@ class JobSample(BaseModel):
     distinct_source: str = ""
     rows_read: int = 0
     gate_kept: int = 0  # a gated embedding job: the gate's sample rows it computes and keeps in the row cache
+    probe_kept: int = 0  # a run's answers' probe: the rows it generated, kept in the row cache (answer_probe)
     read_tokens: int = 0  # the tokens of the rows read for this sample (both samples'): what READING grows with
 
     def computed_lengths(self, collapsed: bool) -> list[int]:
@@ -286,7 +291,7 @@ class JobSample(BaseModel):
         return (self.distinct_lengths or self.lengths) if collapsed else self.lengths
 
     def rows_to_compute(self, collapsed: bool) -> int:
-        return max(round(self.rows * (self.distinct if collapsed else 1.0)) - self.gate_kept, 0)
+        return max(round(self.rows * (self.distinct if collapsed else 1.0)) - self.gate_kept - self.probe_kept, 0)
 
 
 # ---- the parts cache -------------------------------------------------------------------------------
@@ -548,23 +553,26 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
     if sample.gate_kept:
         repeats += (f"; the gate's {sample.gate_kept:,} sample rows (the corpus's own) computed in the gate and "
                     "kept in the row cache")
+    if sample.probe_kept:
+        repeats += f"; the answers' probe's {sample.probe_kept:,} rows, generated before this and kept in the row cache"
     # parts None: the trials' rates alone, as auto weighs the engines (predicted_engine)
     by_calls = calls_part(spec, engine, sample, trials, collapsed, tokens, repeats) if parts is not None else None
     if by_calls is not None:
         return by_calls, tokens
+    answered = (f"; {out_per_row:,.0f} output tokens a row ({job_answers(spec, trials)[1]})"
+                if spec.mode == "generate" else "")
     if not points:
         quantization = spec.model.quantization
         rate = default_rate_here(engine, spec.mode, quantization)
         return Part(name="engine", seconds=tokens / rate, source=f"default: {engine} never measured here for "
                     f"this job, {rate:,.0f} tokens/s ({default_rate(engine, spec.mode, quantization):,.0f}"
                     f"{f' ({quantization})' if quantization else ''}{compute_speed(spec.mode)[1]})"
-                    f"{repeats}"), tokens
+                    f"{answered}{repeats}"), tokens
     curve = [(mean + out_per_row, rate) for mean, rate, _ in points]
     seconds = row_share * sum((n + out_per_row) / rate_at(curve, n + out_per_row) for n in lengths)
     measured_at = ", ".join(f"{m:,.0f} ({where})" for m, _, where in points)
     source = (f"{tokens / seconds if seconds else 0:,.0f} tokens/s over the sample's lengths, from {engine} "
-              f"measured here at {measured_at} tokens a row" + (f"; {out_per_row:,.0f} output tokens a row"
-                                                                if spec.mode == "generate" else "") + repeats)
+              f"measured here at {measured_at} tokens a row{answered}{repeats}")
     return Part(name="engine", seconds=seconds, source=source), tokens
 
 
@@ -857,12 +865,18 @@ def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any]) -
     """The main thread's work measured apart from the rest of it, (name, seconds, source) each: reading the
     job's sample; opening MLflow's store, or creating it where it is not there yet (a first run's); and
     writing the demo's sample corpus, where this process did before it predicted (a first `tokenmill run`
-    of the demo: measured, since it is done)."""
+    of the demo: measured, since it is done); generating the answers' probe, where this process did
+    (tokenmill.answer_probe: measured too)."""
     read, read_source = reading_part(parts, spec.mode, sample.read_tokens)
     out = [(READING, read, read_source), tracking_part(spec, parts)]
-    written = _span(timeline.marks(), "sample_corpus_start", "sample_corpus_written")
+    marks = timeline.marks()
+    written = _span(marks, "sample_corpus_start", "sample_corpus_written")
     if written and timeline.measures_process():
         out.append(("writing the sample corpus", written, "this process wrote it before it predicted, measured"))
+    probed = _span(marks, "answer_probe_start", "answer_probe_done")
+    if probed and timeline.measures_process():
+        out.append((ANSWER_PROBE, probed, "this process generated the corpus's sample at the job's cap before "
+                    "it predicted (tokenmill.answer_probe), measured"))
     return out
 
 
@@ -1069,12 +1083,18 @@ _made: dict[str, Prediction] = {}  # per job, for this process: the prediction i
 _gate_keys: dict[str, str] = {}
 
 
-def predict_job(spec: JobSpec) -> Prediction:
-    """The one prediction of a job on this machine: `tokenmill plan`, `calibrate` and `run` call this."""
+def predict_job(spec: JobSpec, probe: bool = False) -> Prediction:
+    """The one prediction of a job on this machine: `tokenmill plan`, `calibrate` and `run` call this.
+    probe: `tokenmill run`'s, which measures a generation corpus's answers first where nothing here has
+    (tokenmill.answer_probe), once the sample is read and the row cache's share estimated without its rows."""
     if spec.gate is not None:
         prediction = predict_gated(spec)
     else:
-        prediction = predict(spec, job_sample(spec), read_parts(), engine_trials(spec))
+        sample = job_sample(spec)
+        if probe and sample.shards:
+            probed = probe_answers(spec, statistics.fmean(sample.trial_lengths or [1]))
+            sample = sample.model_copy(update={"probe_kept": probed.kept if probed else 0})
+        prediction = predict(spec, sample, read_parts(), engine_trials(spec))
     _made[_job_key(spec)] = prediction
     return prediction
 
@@ -1284,7 +1304,8 @@ def _process_parts(marks: dict[str, float], trials_ran: bool, elsewhere: float) 
     With a trial, the main thread's work ran beside less of the API's start: stored apart (MAIN_BESIDE_TRIAL);
     no engine starting beside it, apart too (MAIN_ALONE)."""
     main = (_span(marks, "cli_ready", "tracking_warm") - elsewhere - _reading(marks) - _tracking(marks)[1]
-            - _span(marks, "sample_corpus_start", "sample_corpus_written"))
+            - _span(marks, "sample_corpus_start", "sample_corpus_written")
+            - _span(marks, "answer_probe_start", "answer_probe_done"))
     api = {} if "api_store_created" in marks else {"orchestrator API": _span(marks, "api_start", "api_ready")}
     return {"python imports": _span(marks, "process", "cli_ready"), **api,
             (MAIN_BESIDE_TRIAL if trials_ran else MAIN if "early_engine_start" in marks else MAIN_ALONE): main}
