@@ -22,8 +22,6 @@ change the model, and predict_job predicts it apart)."""
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 
 from tokenmill import timeline
 from tokenmill.bucketing import restore_order
@@ -44,14 +42,6 @@ PROBE_ROWS = 16  # the generation trial's sample (engine_choice.TRIAL_ROWS): the
 PROBED_ENGINES = ("vllm", "transformers")
 
 
-@dataclass
-class AnswerProbe:
-    """What a probe generated: its answers' lengths, its seconds, and the rows the row cache holds now."""
-    answers: list[int]
-    seconds: float
-    kept: int
-
-
 def needs_probe(spec: JobSpec, mean_tokens: float | None = None) -> bool:
     """A generation job on an engine given by name, or left to auto with its trials cached here (mean_tokens:
     the trial sample's, where read), whose corpus's answers nothing here has measured
@@ -65,38 +55,37 @@ def needs_probe(spec: JobSpec, mean_tokens: float | None = None) -> bool:
     return spec.model.engine != "auto" or trials_cached(spec, mean_tokens)
 
 
-def probe_answers(spec: JobSpec, mean_tokens: float | None = None) -> AnswerProbe | None:
-    """Where the job needs one (needs_probe), the probe: None where it does not, or where it failed (the
-    prediction plans every answer to the cap, and the flow meets the failure and reports it)."""
+def probe_answers(spec: JobSpec, mean_tokens: float | None = None) -> int:
+    """Where the job needs one (needs_probe), the probe; the rows it kept in the row cache. 0 where it needs
+    none, or where it failed (the prediction plans every answer to the cap, and the flow meets the failure
+    and reports it). Its seconds are its marks' span (answer_probe_start to answer_probe_done)."""
     try:
         if not needs_probe(spec, mean_tokens):
-            return None
+            return 0
         return _probe(spec)
     except Exception as exc:  # noqa: BLE001 - an engine that cannot start: the flow reports it
         log.warning("measuring the corpus's answers before the prediction failed: %s", exc)
         log.debug("answers' probe", exc_info=True)
-        return None
+        return 0
 
 
-def _probe(spec: JobSpec) -> AnswerProbe | None:
+def _probe(spec: JobSpec) -> int:
     """Start the job's engine (auto's choice made first, from its cached trials, as tasks/warm.py makes it) and
     generate the corpus's PROBE_ROWS sample rows at the job's cap; their answers stored, their outputs kept.
-    None for an OpenAI Batch input (each request carries its own sampling)."""
+    Nothing for an OpenAI Batch input (each request carries its own sampling): 0 rows kept."""
     if spec.model.engine == "auto":
         choose_engine(spec, job_rows=estimate_rows(spec, discover_shards_for(spec)))  # cached: no trial runs
     job = resolve_job(spec)
     if job.pipeline != "rows":
-        return None
+        return 0
     timeline.mark("early_engine_start")  # tokenmill.prediction: the engine's start, as when it starts early
     engine = get_engine(job.model_path, job.spec)
     timeline.mark("early_engine_ready")
     timeline.mark("answer_probe_start")
     (rows,) = sample_rows(job.spec, job.model_path, [PROBE_ROWS])
-    started = time.perf_counter()
     calls = plan_feed([len(r) for r in rows], job.spec, job.engine, engine)
-    results, _ = run_batches(engine, calls, rows, job.spec, None)
+    results, seconds = run_batches(engine, calls, rows, job.spec, None)
     outputs = restore_order(calls, results)
-    seconds = time.perf_counter() - started
     answers = [g.output_tokens for g in outputs]
     remember_answers(cache_dir(), answers_key(spec), answers, spec.generation.max_tokens, "probe")
     kept = keep_sample_rows(job.spec, job.model_path, job.engine, rows, outputs, seconds)
@@ -104,4 +93,4 @@ def _probe(spec: JobSpec) -> AnswerProbe | None:
     log.info("answers' probe: %d of the corpus's rows on %s, answers of %.0f tokens a row at a cap of %d; %d kept "
              "in the row cache", len(rows), job.engine, sum(answers) / max(len(answers), 1),
              spec.generation.max_tokens, kept)
-    return AnswerProbe(answers=answers, seconds=seconds, kept=kept)
+    return kept

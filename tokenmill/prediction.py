@@ -1092,8 +1092,8 @@ def predict_job(spec: JobSpec, probe: bool = False) -> Prediction:
     else:
         sample = job_sample(spec)
         if probe and sample.shards:
-            probed = probe_answers(spec, statistics.fmean(sample.trial_lengths or [1]))
-            sample = sample.model_copy(update={"probe_kept": probed.kept if probed else 0})
+            kept = probe_answers(spec, statistics.fmean(sample.trial_lengths or [1]))
+            sample = sample.model_copy(update={"probe_kept": kept})
         prediction = predict(spec, sample, read_parts(), engine_trials(spec))
     _made[_job_key(spec)] = prediction
     return prediction
