@@ -783,14 +783,15 @@ def test_a_generation_run_on_a_corpus_never_generated_here_measures_its_answers_
     from tokenmill.prediction import ANSWER_PROBE
     from tokenmill.spec import JobSpec
 
-    job = _generation_job(tmp_path, rows=24)
+    rows = PROBE_ROWS + 8
+    job = _generation_job(tmp_path, rows=rows)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     cache = tmp_path / "cache"
     stdout = tokenmill("run", "--config", str(tmp_path / "job.yaml"), "--no-progress", cwd=tmp_path, cache=cache)
     line = prediction_line(stdout)
     assert f"{ANSWER_PROBE} " in line and "this corpus's last probe" in line and "every answer to the cap" not in line
-    assert f"for {24 - PROBE_ROWS} rows" in line and f"probe's {PROBE_ROWS} rows, generated before this" in line
-    assert "Rows:      24 in = 24 out + 0 rejected" in stdout
+    assert "for 8 rows" in line and f"probe's {PROBE_ROWS} rows, generated before this" in line
+    assert f"Rows:      {rows} in = {rows} out + 0 rejected" in stdout
     import mlflow
 
     mlflow.set_tracking_uri(job["tracking"]["mlflow_tracking_uri"])
@@ -803,13 +804,14 @@ def test_a_generation_run_on_a_corpus_never_generated_here_measures_its_answers_
                for k, v in parts.items())  # the engine's start, inside the probe, stored as a start
 
 
-def test_only_a_generation_corpus_never_generated_here_on_an_engine_named_is_probed(tmp_path, monkeypatch):
-    """The probe runs where the prediction would plan every answer to the cap, on an engine given by name or
-    auto's chosen without a trial; its span is the main thread's work apart (predicted as measured, never
-    stored as the main thread's), the engine's start within it is stored as the engine's start, and its kept
-    rows are out of the engine's."""
+def test_only_a_generation_corpus_never_generated_here_is_probed_on_the_engine_it_will_meet(tmp_path, monkeypatch):
+    """The probe runs where the prediction would plan every answer to the cap: on an engine given by name,
+    auto's choice where no trial will run, else the engine auto's trials start first (its trial reuses it,
+    open: the trials' part counts no start for it, and its kept rows count only where the job runs on it).
+    Its span is the main thread's work apart (predicted as measured, never stored as the main thread's), the
+    job's engine's start within it is stored as the engine's start, and its kept rows are out of the engine's."""
     from tokenmill import call_costs, prediction, timeline
-    from tokenmill.answer_probe import needs_probe
+    from tokenmill.answer_probe import probe_engine
     from tokenmill.engine_choice import answers_key, cache_dir
     from tokenmill.spec import JobSpec
 
@@ -819,15 +821,28 @@ def test_only_a_generation_corpus_never_generated_here_on_an_engine_named_is_pro
     def job(**model):
         return spec.model_copy(update={"model": spec.model.model_copy(update=model)})
 
-    assert needs_probe(spec) and needs_probe(job(engine="vllm"))
-    assert not needs_probe(job(engine="auto"))  # its trials generate the sample, and the prediction plans them
+    assert (probe_engine(spec), probe_engine(job(engine="vllm"))) == ("transformers", "vllm")
+    # auto's trials will run: the engine they start first, transformers (vLLM is installed here)
+    assert probe_engine(job(engine="auto")) == "transformers"
     monkeypatch.setattr("tokenmill.answer_probe.trials_cached", lambda spec, mean_tokens: True)
-    assert needs_probe(job(engine="auto"))  # no trial will run: auto chooses from the cached ones
-    assert not needs_probe(spec.model_copy(update={"generation": spec.generation.model_copy(update={"n": 2})}))
-    assert not needs_probe(spec.model_copy(update={"mode": "embed", "model": spec.model.model_copy(
-        update={"name": "all-MiniLM-L6-v2"})}))
+    assert probe_engine(job(engine="auto")) == "auto"  # no trial will run: auto chooses from the cached ones
+    assert probe_engine(spec.model_copy(update={"generation": spec.generation.model_copy(update={"n": 2})})) is None
+    assert probe_engine(spec.model_copy(update={"mode": "embed", "model": spec.model.model_copy(
+        update={"name": "all-MiniLM-L6-v2"})})) is None
     call_costs.remember_answers(cache_dir(), answers_key(spec), [3, 5, 8], 8, "calibration")
-    assert not needs_probe(spec)
+    assert probe_engine(spec) is None
+
+    probed = prediction.JobSample(rows=24, shards=1, lengths=[10], trial_lengths=[10] * 16,
+                                  probe_engine="transformers", probe_kept=16)
+    trials = prediction.trials_part(job(engine="auto"), probed, {}, ["vllm", "transformers"], [], kept=True)
+    assert "transformers 0.0 s start (opened by the answers' probe" in trials.source
+    unprobed = prediction.trials_part(job(engine="auto"), probed.model_copy(update={"probe_engine": ""}), {},
+                                      ["vllm", "transformers"], [], kept=True)
+    assert trials.seconds < unprobed.seconds
+    monkeypatch.setattr(prediction, "predicted_engine", lambda spec, sample, trials: ("vllm", "auto"))
+    assert prediction.predict(job(engine="auto"), probed, {}, []).rows == 24  # kept under transformers
+    assert prediction.predict(job(engine="vllm"), probed.model_copy(update={"probe_engine": "vllm"}),
+                              {}, []).rows == 8
 
     t0 = 1000.0
     marks = {"process": t0, "cli_ready": t0 + 3, "api_start": t0 + 3, "early_engine_start": t0 + 3.5,

@@ -315,7 +315,7 @@ def _trials(spec: JobSpec, able: list[str], model_path: str, rows: list[list[int
     if not cached:
         # one engine at a time, so neither is measured (or fails) in what the other leaves of the memory:
         # the cheap-to-start one first and closed; the last one stays open for the job if it wins
-        order = sorted(able, key=lambda e: e != "transformers")
+        order = trial_order(able)
         trials = []
         for engine in order:
             trials.append(run_trial(spec, engine, model_path, rows))
@@ -324,6 +324,12 @@ def _trials(spec: JobSpec, able: list[str], model_path: str, rows: list[list[int
         # a failure may be passing: retry it
         _write_cache(key, [t for t in trials if t.error is None], device, family, mean_tokens)
     return trials, cached
+
+
+def trial_order(able: list[str]) -> list[str]:
+    """The order the trials start engines in: the cheap-to-start one first (closed after its trial, unless it
+    is the last); the last stays open for the job if it wins."""
+    return sorted(able, key=lambda e: e != "transformers")
 
 
 def _job_tokens(spec: JobSpec, good: list[EngineTrial], job_rows: int | None, mean_tokens: float,

@@ -60,6 +60,7 @@ from tokenmill.engine_choice import (
     runnable_engines,
     sample_rows,
     trial_family,
+    trial_order,
     trials_cached,
 )
 from tokenmill.digest import stable_digest
@@ -282,6 +283,7 @@ class JobSample(BaseModel):
     rows_read: int = 0
     gate_kept: int = 0  # a gated embedding job: the gate's sample rows it computes and keeps in the row cache
     probe_kept: int = 0  # a run's answers' probe: the rows it generated, kept in the row cache (answer_probe)
+    probe_engine: str = ""  # the engine it ran on: its rows are kept under it, and auto's trials reuse it, open
     read_tokens: int = 0  # the tokens of the rows read for this sample (both samples'): what READING grows with
 
     def computed_lengths(self, collapsed: bool) -> list[int]:
@@ -721,11 +723,6 @@ def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str
     return min(seconds, key=seconds.get), "auto, by the trials' starts and rates"
 
 
-def trial_order(able: list[str]) -> list[str]:
-    """The order auto's trial starts engines in (engine_choice._trials): the last stays open for the job."""
-    return sorted(able, key=lambda e: e != "transformers")
-
-
 def default_start(engine: str, mode: str) -> float:
     return DEFAULT_ENGINE_START.get((engine, mode), 4.0 if engine != "vllm" else 35.0)
 
@@ -776,6 +773,8 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
     gate_rate: the model's rate on a gate's sample here, (mean tokens a row, tokens/s, where), where one was kept;
     gate_makes: a gate before the corpus makes the models its engine runs (engine_start_part)."""
     engine, why = predicted_engine(spec, sample, trials)
+    if sample.probe_engine not in ("", engine):  # the probe's rows are kept under another engine (auto's trials)
+        sample = sample.model_copy(update={"probe_kept": 0})
     fixed = fixed_key(spec, engine)
     able = runnable_engines(spec)[0]
     trial_runs = spec.model.engine == "auto" and len(able) > 1 and not trials_cached(
@@ -866,7 +865,8 @@ def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any]) -
     job's sample; opening MLflow's store, or creating it where it is not there yet (a first run's); and
     writing the demo's sample corpus, where this process did before it predicted (a first `tokenmill run`
     of the demo: measured, since it is done); generating the answers' probe, where this process did
-    (tokenmill.answer_probe: measured too)."""
+    (tokenmill.answer_probe: measured too; with the start of its engine where that is auto's trials' first,
+    not the job's)."""
     read, read_source = reading_part(parts, spec.mode, sample.read_tokens)
     out = [(READING, read, read_source), tracking_part(spec, parts)]
     marks = timeline.marks()
@@ -875,8 +875,9 @@ def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any]) -
         out.append(("writing the sample corpus", written, "this process wrote it before it predicted, measured"))
     probed = _span(marks, "answer_probe_start", "answer_probe_done")
     if probed and timeline.measures_process():
+        started = "" if "early_engine_start" in marks else f", {sample.probe_engine}'s start within it"
         out.append((ANSWER_PROBE, probed, "this process generated the corpus's sample at the job's cap before "
-                    "it predicted (tokenmill.answer_probe), measured"))
+                    f"it predicted (tokenmill.answer_probe){started}, measured"))
     return out
 
 
@@ -926,7 +927,8 @@ def trial_overhead_name(kept: bool) -> str:
 def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: list[str], trials=(),
                 kept: bool = True) -> Part:
     """The engine trials this run will pay for, engine by engine as the trial runs them: each engine's start
-    (as measured here for this model and mode: its trials' and runs' starts), and this sample's trial
+    (as measured here for this model and mode: its trials' and runs' starts; none for the one the answers'
+    probe opened, which its trial reuses: the probe's seconds hold it), and this sample's trial
     tokens at the engine's rate at the sample's length (the curve its trials and runs measured), plus what
     the trials cost besides (the sample's reading and encoding, closing an engine: measured here, the
     trials' span less each engine's whole trial). An engine never measured here: its stated defaults."""
@@ -938,7 +940,9 @@ def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: l
         points = rate_points(spec, engine, parts, trials)
         out_per_row = (output_tokens_per_row(spec, [t for _, t in trials if t.engine == engine])
                        if spec.mode == "generate" else 0.0)
-        if start is None:
+        if engine == sample.probe_engine:  # open: its trial reuses it
+            start, start_source = 0.0, "opened by the answers' probe, its start counted there"
+        elif start is None:
             start, start_source = default_start_here(engine, spec.mode), "default"
             compiling, why = first_compile(spec, engine, parts, trials)
             if why:
@@ -1092,8 +1096,8 @@ def predict_job(spec: JobSpec, probe: bool = False) -> Prediction:
     else:
         sample = job_sample(spec)
         if probe and sample.shards:
-            kept = probe_answers(spec, statistics.fmean(sample.trial_lengths or [1]))
-            sample = sample.model_copy(update={"probe_kept": kept})
+            engine, kept = probe_answers(spec, statistics.fmean(sample.trial_lengths or [1]))
+            sample = sample.model_copy(update={"probe_engine": engine, "probe_kept": kept})
         prediction = predict(spec, sample, read_parts(), engine_trials(spec))
     _made[_job_key(spec)] = prediction
     return prediction
