@@ -829,6 +829,10 @@ def test_only_a_generation_corpus_never_generated_here_is_probed_on_the_engine_i
     assert probe_engine(spec.model_copy(update={"generation": spec.generation.model_copy(update={"n": 2})})) is None
     assert probe_engine(spec.model_copy(update={"mode": "embed", "model": spec.model.model_copy(
         update={"name": "all-MiniLM-L6-v2"})})) is None
+    batch = tmp_path / "batch.jsonl"  # an OpenAI Batch input: each request carries its own sampling
+    batch.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}}) + "\n")
+    assert probe_engine(spec.model_copy(update={"input": str(batch)})) is None
     call_costs.remember_answers(cache_dir(), answers_key(spec), [3, 5, 8], 8, "calibration")
     assert probe_engine(spec) is None
 

@@ -24,7 +24,7 @@ counts out only where it predicts that engine for the job; since auto may choose
 the trial's sample alone (16 rows: a mean, which an engine that does not pad needs, more than a tail).
 
 Not for n > 1 (the trials' output tokens a row stand in), nor a gated job (the gate may change the model, and
-predict_job predicts it apart)."""
+predict_job predicts it apart), nor an OpenAI Batch input (each request carries its own sampling)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from tokenmill.engine_choice import (TRIAL_ROWS, answers_at_cap, answers_key, ca
                                      with_engine)
 from tokenmill.engines import get_engine
 from tokenmill.planning import estimate_rows
-from tokenmill.resolution import resolve_job
+from tokenmill.resolution import input_format_of, resolve_job
 from tokenmill.row_cache import keep_sample_rows
 from tokenmill.runner import plan_feed, run_batches
 from tokenmill.shards import discover_shards_for
@@ -63,8 +63,8 @@ def probe_engine(spec: JobSpec, mean_tokens: float | None = None) -> str | None:
     its trials will run, the one they start first. None where the job needs no probe."""
     if spec.mode != "generate" or spec.generation.n != 1:
         return None
-    if spec.model.engine not in (*PROBED_ENGINES, "auto"):
-        return None
+    if spec.model.engine not in (*PROBED_ENGINES, "auto") or input_format_of(spec) == "openai-batch":
+        return None  # an OpenAI Batch input: each request carries its own sampling
     if answers_at_cap(spec, [t for _, t in engine_trials(spec)]) is not None:
         return None
     if spec.model.engine != "auto" or trials_cached(spec, mean_tokens):
@@ -92,12 +92,10 @@ def _probe(spec: JobSpec, engine_name: str) -> tuple[str, int]:
     """Start the probe's engine (auto's choice made first, from its cached trials, as tasks/warm.py makes it)
     and generate the corpus's PROBE_ROWS sample rows at the job's cap; their answers stored, their outputs
     kept. The job's own engine's start is timed as an early start is; the trials' first engine's, within the
-    probe's span. Nothing for an OpenAI Batch input (each request carries its own sampling)."""
+    probe's span."""
     if engine_name == "auto":
         choose_engine(spec, job_rows=estimate_rows(spec, discover_shards_for(spec)))  # cached: no trial runs
     job = resolve_job(spec if engine_name == "auto" else with_engine(spec, engine_name))
-    if job.pipeline != "rows":
-        return "", 0
     trials_next = spec.model.engine == "auto" and engine_name != "auto"  # not the job's engine, maybe
     timeline.mark("answer_probe_start" if trials_next else "early_engine_start")
     engine = get_engine(job.model_path, job.spec)

@@ -25,7 +25,7 @@ _formats: dict[str, str | None] = {}
 
 def resolve_job(spec: JobSpec) -> ResolvedJob:
     """The job as it runs here (see the module's docstring)."""
-    found = _input_format(spec)
+    found = input_format_of(spec)
     pipeline = "openai-batch" if found == "openai-batch" else "rows"
     resolved = resolve(spec)  # engine: auto, chosen (once per process: cached trials, or a trial now)
     if pipeline == "openai-batch" and resolved.mode == "generate":
@@ -37,8 +37,9 @@ def resolve_job(spec: JobSpec) -> ResolvedJob:
                        context_limit=context_limit(resolved, model_path))
 
 
-def _input_format(spec: JobSpec) -> str | None:
-    """None (no input yet, or unreadable) is not kept: the input may be there when asked again."""
+def input_format_of(spec: JobSpec) -> str | None:
+    """The job's input format, read once per input and process. None (no input yet, or unreadable) is not
+    kept: the input may be there when asked again."""
     key = stable_digest([spec.input, spec.format, spec.storage_options], 32)
     if _formats.get(key) is None:
         _formats[key] = input_format(spec.input, spec.format, spec.storage_options)
