@@ -590,6 +590,31 @@ def _gated_job(tmp_path, rows: int = 40):
                  "sample_rows": 16}})
 
 
+def test_another_corpuss_verdict_picks_again_at_this_corpuss_lengths(tmp_path):
+    """A verdict on another corpus's sample, judged again at this corpus's lengths: each model at its rate
+    there by length (where it timed its calls by length), so the pick is the cheapest on rows like these."""
+    from tokenmill import prediction
+    from tokenmill.gate import CandidateVerdict, GateReport, ModelCost
+
+    spec = _gated_job(tmp_path)
+
+    def cost(model: str, rate: float, curve: dict | None = None) -> ModelCost:
+        return ModelCost(model=model, engine="x", seconds=1.0, tokens=16 * 60, tokens_per_s=rate,
+                         usd_per_1m_tokens=1e3 / rate, rates_by_length=curve or {})
+
+    verdict = GateReport.judge(spec, "another corpus", 16, cost("ref", 8000.0, {"5": [33, 7000], "8": [240, 8000]}), [
+        CandidateVerdict(cost=cost("by length", 15000.0, {"5": [33, 12000], "8": [240, 21000]}), metrics=[],
+                         passed=True),
+        CandidateVerdict(cost=cost("overall", 17000.0), metrics=[], passed=True)])
+    assert verdict.chosen == 1  # over the other corpus's sample
+    long_rows = prediction.judged_at(spec, verdict, [250] * 8)
+    assert long_rows.chosen == 0 and long_rows.candidates[0].cost.tokens_per_s == pytest.approx(21000)
+    assert long_rows.candidates[0].cost.tokens == 16 * 250  # its tokens as these rows': kept_rate's mean
+    assert prediction.kept_rate(long_rows, "here")[:2] == (pytest.approx(250), pytest.approx(21000))
+    assert prediction.judged_at(spec, verdict, [20] * 8).chosen == 1  # short rows: 12,000 against 17,000
+    assert prediction.judged_at(spec, verdict, []).chosen == 1
+
+
 def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pick(tmp_path, monkeypatch):
     """With an eval gate: before this machine judged the job's sample, its gate at each model's defaults and
     the corpus on the reference; once a verdict is kept, a gate that starts no engine and the corpus on the
@@ -631,7 +656,8 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
     gate._write_verdict(gate.verdict_key(spec, ["another corpus"]), verdict, gate.judge_key(spec))
     elsewhere = prediction.predict_job(spec)
     assert elsewhere.engine == "onnxruntime"
-    assert "as this gate's last verdict here (another corpus) picked (candidate)" in elsewhere.part("eval gate").source
+    assert ("as this gate's last verdict here (another corpus), judged again at this corpus's lengths, picks "
+            "(candidate)") in elsewhere.part("eval gate").source
     assert "(this gate's sample of another corpus)" in elsewhere.part("engine").source
     # the gate measures this corpus, and its last model, the pick, stays open for the corpus: no second start
     start = elsewhere.part("engine start")
