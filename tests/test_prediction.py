@@ -154,7 +154,8 @@ def test_a_rerun_with_every_shard_finished_is_predicted_without_an_engine_and_re
 
     assert len(stored[prediction.fixed_key(PrefectJob.model_validate(job_a["job"]), "transformers")][
         prediction.MAIN_ALONE]) == 1
-    assert len(stored[prediction.machine_key()][prediction.TRACKING_OPENED]) >= 2  # plan's and calibrate's don't store
+    # plan's and calibrate's don't store; stored by mode
+    assert len(stored[prediction.machine_key()][f"{prediction.TRACKING_OPENED}@embed"]) >= 2
 
 
 def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they_happen(tmp_path, monkeypatch):
@@ -190,6 +191,13 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     assert prediction.tracking_part(spec, stored)[:2] == (TRACKING_CREATED, 2.5)
     store.write_bytes(b"")  # there now: the next run opens it
     assert prediction.tracking_part(spec, stored)[:2] == (TRACKING_OPENED, 1.0)
+    # opened in another mode's runs (3.0) and before it was stored by mode (1.0): their median, and it says so;
+    # once this mode's runs opened it, theirs alone
+    stored[prediction.machine_key()][f"{TRACKING_OPENED}@generate"] = [3.0]
+    assert prediction.tracking_part(spec, stored)[1:] == (2.0, "measured here in other modes' runs, never in "
+                                                           "embed's, median of 2")
+    stored[prediction.machine_key()][f"{TRACKING_OPENED}@embed"] = [1.5, 1.7]
+    assert prediction.tracking_part(spec, stored)[:2] == (TRACKING_OPENED, 1.6)
     first = prediction.orchestration_part(stored, key, 0.0, api_created=True)
     assert first.seconds == pytest.approx(7.0 + 0.2) and "creating its database" in first.source
     assert prediction.orchestration_part(stored, key, 0.0).seconds == pytest.approx(3.0 + 0.2)
