@@ -177,6 +177,12 @@ def trial_key(spec: JobSpec, model_path: str, device: str, mean_tokens: float) -
     return stable_digest(_trial_identity(spec, model_path, device, length_class(mean_tokens)), 24)
 
 
+def rates_key(spec: JobSpec, engine: str) -> str:
+    """Engine rates measured by runs (tokenmill.prediction) and generation calls (call_costs.remember_calls): per
+    engine and device, for this job's family (model, mode, batching)."""
+    return f"{device_label()}|{engine}|rates|{trial_family(spec, resolve_model(spec.model_name), device_label())}"
+
+
 def trial_family(spec: JobSpec, model_path: str, device: str) -> str:
     """What trials of one job at every length have in common: their figures at other lengths judge a new one."""
     return stable_digest(_trial_identity(spec, model_path, device, None), 24)

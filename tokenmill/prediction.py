@@ -57,9 +57,9 @@ from tokenmill.engine_choice import (
     engine_trials,
     length_class,
     output_tokens_per_row,
+    rates_key,
     runnable_engines,
     sample_rows,
-    trial_family,
     trial_order,
     trials_cached,
 )
@@ -339,11 +339,6 @@ def gate_key(spec: JobSpec) -> str:
 
 def trials_key(spec: JobSpec) -> str:
     return f"{device_label()}|trials|{spec.model_name}|{spec.mode}"
-
-
-def rates_key(spec: JobSpec, engine: str) -> str:
-    """Engine rates measured by runs: per engine and device, for this job's family (model, mode, batching)."""
-    return f"{device_label()}|{engine}|rates|{trial_family(spec, resolve_model(spec.model_name), device_label())}"
 
 
 def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials,
