@@ -113,7 +113,7 @@ def _probe(spec: JobSpec, engine_name: str) -> tuple[str, int]:
     outputs = restore_order(calls, results)
     answers = [g.output_tokens for g in outputs]
     remember_answers(cache_dir(), answers_key(spec), answers, spec.generation.max_tokens, "probe")
-    # its calls too, as a run's are stored: the prediction's fit then sees this corpus's prompts on this engine
+    # its calls too, as a run's are stored: the prediction's fit then sees this corpus's calls at the job's cap
     remember_calls(cache_dir(), rates_key(spec, job.engine), costs)
     kept = keep_sample_rows(job.spec, job.model_path, job.engine, rows, outputs, seconds)
     timeline.mark("answer_probe_done")
