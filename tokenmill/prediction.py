@@ -1116,9 +1116,9 @@ def predict_gated(spec: JobSpec) -> Prediction:
     the API (tasks/warm.py starts no engine before the gate). Where this machine kept a verdict on this job's
     sample and models, that verdict's model and a gate that starts no engine. Else the gate measures every
     model, and the corpus is predicted on the model this gate's last verdict here (on another corpus)
-    picked, and before any, on the candidate it picks if it passes, the cheapest at the default rates
-    (default_pick; the reference where none saves gate.min_saving at them), with what the reference would
-    take instead (the part says which)."""
+    picks when judged again at this corpus's lengths (judged_at), and before any, on the candidate it picks if
+    it passes, the cheapest at the default rates (default_pick; the reference where none saves gate.min_saving
+    at them), with what the reference would take instead (the part says which)."""
     verdict = known_verdict(spec)
     elsewhere = last_verdict_elsewhere(spec) if verdict is None else None
     picks = verdict or elsewhere
@@ -1129,9 +1129,9 @@ def predict_gated(spec: JobSpec) -> Prediction:
     sample = job_sample(corpus)
     if elsewhere is not None:  # the last verdict judged again at this corpus's lengths: what it picks here
         picks = elsewhere = judged_at(spec, elsewhere, sample.lengths)
-        if chosen_model(spec, picks) != model:
-            model = chosen_model(spec, picks)
-            corpus = job_for(spec, model)
+        picked = chosen_model(spec, picks)
+        if picked != model:  # another model's sample: its row cache's share is its own
+            model, corpus = picked, job_for(spec, picked)
             sample = job_sample(corpus)
     if verdict is None:
         sample = sample.model_copy(update={"gate_kept": gate_kept_rows(spec, corpus, sample)})
