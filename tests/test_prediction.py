@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -98,6 +99,8 @@ def test_the_run_measured_its_parts_and_the_next_prediction_reads_them(job_a, mo
     rerun = prediction.predict_job(PrefectJob.model_validate(job_a["job"]))
     assert rerun.rows == 0 and rerun.part("engine start").seconds == 0
     assert "every shard finished" in rerun.part("engine start").source
+    # no engine to close: its exit is not the engine's, which A's run measured
+    assert rerun.part("exit").source.startswith("no engine to close: default")
 
 
 def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_path):
@@ -902,3 +905,25 @@ def test_only_a_generation_corpus_never_generated_here_is_probed_on_the_engine_i
         (prediction.ANSWER_PROBE, pytest.approx(3.0))]
     sample = prediction.JobSample(rows=24, shards=1, lengths=[10], probe_kept=16)
     assert sample.rows_to_compute(False) == 8
+
+
+def test_a_run_that_opens_no_engine_stores_its_exit_apart_from_the_engines(tmp_path, monkeypatch):
+    """A rerun with every shard finished closes no engine: its exit (the record's logging, the orchestrator's
+    shutdown) is stored as the idle exit, not as the engine's, which a run that closes one reads."""
+    from tokenmill import prediction, timeline
+    from tokenmill.spec import JobSpec
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
+    monkeypatch.setattr(timeline, "measures_process", lambda: True)
+    spec = JobSpec.model_validate({"input": "in", "mode": "embed", "model": {"name": "all-MiniLM-L6-v2",
+                                                                           "engine": "transformers"}})
+    key = prediction.fixed_key(spec, "transformers")
+    for opened in (False, True):
+        monkeypatch.setattr(timeline, "marks", lambda: {"cli_ready": 1.0, "record_started": time.time() - 0.5,
+                                                         **({"early_engine_start": 2.0} if opened else {})})
+        prediction.remember_run(spec, "transformers", {}, 0, False)
+        prediction.remember_exit()
+    stored = prediction.read_parts()[key]
+    assert len(stored[prediction.IDLE_EXIT]) == len(stored["exit"]) == 1
+    assert 0.5 <= stored[prediction.IDLE_EXIT][0] < 60 and 0.5 <= stored["exit"][0] < 60

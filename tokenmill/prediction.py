@@ -90,7 +90,13 @@ MAIN = "main thread besides the sample and MLflow's store"
 DEFAULT_SECONDS = {
     "python imports": 1.4, "orchestrator API": 3.5, MAIN: 0.4, "flow start": 0.3,
     "shard overhead per 1,000 rows": 0.6, "index build per 1,000 rows": 1.0, "finish": 0.1,
+    "exit, no engine": 2.2,
 }
+# A run that opens no engine (every shard finished, no trial) exits without closing one: the record's logging
+# and the orchestrator's shutdown alone, stored apart from the engines' exits it would pull down (two such reruns
+# on a 2-core AMD EPYC at speed 0.87-0.90, 2026-11-28: 1.97 and 2.01 s, where its vLLM runs' exits took 3.2 s).
+# Read from any engine's idle runs of this device and mode: the engine named by a run that opens none is a label.
+IDLE_EXIT = "exit, no engine"
 # The shard overhead's default is per 1,000 rows of ~256 tokens (length class 8), in proportion to the rows'
 # length: a host of speed ~2.2 measured 1.4-1.5 s per 1,000 rows of ~255 tokens, 0.25-0.3 of ~55-64, 0.0-0.1 of ~19.
 OVERHEAD_DEFAULT_LENGTH = 8
@@ -190,14 +196,18 @@ DEFAULT_GFLOPS = 228.0
 # A quantized embedding model's default rate, as a multiple of its engine's: a CPU with AVX2 and no VNNI
 # (bench/PREDICTION.md's host, machine speed ~2.2) measured MiniLM on 256-row gate samples at 6,760-7,520 tokens/s
 # with ONNX Runtime's dynamic int8, 3,540-3,700 with OpenVINO's static int8 (slower than its float32's 4,400-4,440:
-# without VNNI its int8 products are emulated), transformers' float32 4,400-4,700. With VNNI never measured here:
-# ONNX Runtime's figure for both (stated, a guess). With AMX's int8 tiles (a 2-core Xeon, 2026-11-26: whole runs of
+# without VNNI its int8 products are emulated), transformers' float32 4,400-4,700. With VNNI and no AMX (a 2-core
+# AMD EPYC with AVX-512 VNNI, 2026-11-28, bench/PREDICTION.md run 22a; runs there computed at 1/0.89 of the
+# defaults, transformers' float32 at 7,700-7,930 tokens/s): ONNX Runtime's dynamic int8 at 25,500-28,200 on the
+# gate's 256-row samples (3.2-3.6x), OpenVINO's static int8 at 27,900-36,000 over the mixed corpus's lengths and
+# 36,400-44,000 in whole runs (4.7-5.6x; its float32 at 14,600-16,500). With AMX's int8 tiles (a 2-core Xeon, 2026-11-26: whole runs of
 # the 3,000-row mixed corpus, two rounds interleaved): transformers' float32 10,075-10,145 tokens/s, OpenVINO's float32
 # 11,065-11,102, ONNX Runtime's dynamic int8 18,025-18,167 (1.8x), OpenVINO's static int8 29,944-30,515 (3.0x).
 DEFAULT_QUANTIZED_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
-                             ("onnxruntime", "int8", "vnni"): 1.6, ("openvino", "int8", "vnni"): 1.6,
+                             ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 4.5,
                              ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0}
 MEASURED_QUANTIZED = {("onnxruntime", "int8", "no-vnni"), ("openvino", "int8", "no-vnni"),
+                      ("onnxruntime", "int8", "vnni"), ("openvino", "int8", "vnni"),
                       ("onnxruntime", "int8", "amx"), ("openvino", "int8", "amx")}
 LOCAL_ENGINES = ("vllm", "transformers", "onnxruntime", "openvino")  # the engines that compute on this machine
 DEFAULT_WINNER = {"embed": "transformers", "generate": "vllm"}  # auto's usual choice on a CPU, without trials
@@ -803,8 +813,13 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
         out.append(Part(name="index build", seconds=seconds * sample.rows / 1000,
                         source=f"{seconds:.2f} s per 1,000 rows, {source}"))
     out.append(Part(name="finish", **_seconds(parts, fixed, "finish")))
-    seconds, source = stored(parts, fixed, "exit", default_exit(engine))
-    out.append(Part(name="exit", seconds=seconds, source=f"{engine}: {source}"))
+    if idle:
+        seconds, source = stored(parts, fixed, IDLE_EXIT, DEFAULT_SECONDS[IDLE_EXIT])
+        source = f"no engine to close: {source}"
+    else:
+        seconds, source = stored(parts, fixed, "exit", default_exit(engine))
+        source = f"{engine}: {source}"
+    out.append(Part(name="exit", seconds=seconds, source=source))
     if why.startswith("default"):
         out[0].source += f"; engine {engine}: {why}"
     rows = sample.rows_to_compute(collapses(spec, engine, sample))
@@ -1465,7 +1480,7 @@ def compare(prediction: Prediction, metrics: dict[str, float]) -> dict[str, floa
     return out
 
 
-_exit_from: list[tuple[str, float]] = []  # (parts key, record's start) of the run whose exit this process measures
+_exit_from: list[tuple[str, float, str]] = []  # (parts key, record's start, part name): the exit to measure
 
 
 def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
@@ -1480,11 +1495,12 @@ def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_r
                                     spec.generation.max_tokens, "run")
     marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
     if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
-        _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"])]
+        opened = trials_ran or any(m in marks for m in ("engine_start", "early_engine_start", "answer_probe_start"))
+        _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"], "exit" if opened else IDLE_EXIT)]
 
 
 def remember_exit() -> None:
     """The command's last step: the seconds from the record's start to the process's end, its exit part."""
     if _exit_from:
-        key, started = _exit_from.pop()
-        remember_parts({key: {"exit": time.time() - started}})
+        key, started, name = _exit_from.pop()
+        remember_parts({key: {name: time.time() - started}})
