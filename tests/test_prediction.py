@@ -100,7 +100,7 @@ def test_the_run_measured_its_parts_and_the_next_prediction_reads_them(job_a, mo
     assert rerun.rows == 0 and rerun.part("engine start").seconds == 0
     assert "every shard finished" in rerun.part("engine start").source
     # no engine to close: its exit is not the engine's, which A's run measured
-    assert rerun.part("exit").source.startswith("no engine to close: default")
+    assert rerun.part("exit").source.startswith("no engine to close (transformers): default")
 
 
 def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_path):
@@ -927,3 +927,6 @@ def test_a_run_that_opens_no_engine_stores_its_exit_apart_from_the_engines(tmp_p
     stored = prediction.read_parts()[key]
     assert len(stored[prediction.IDLE_EXIT]) == len(stored["exit"]) == 1
     assert 0.5 <= stored[prediction.IDLE_EXIT][0] < 60 and 0.5 <= stored["exit"][0] < 60
+    # another engine's idle exit is its own (what its process imported is torn down with it): never read across
+    other = prediction.fixed_key(spec, "openvino")
+    assert prediction.stored(prediction.read_parts(), other, prediction.IDLE_EXIT, 0.8)[1].startswith("default")

@@ -90,13 +90,15 @@ MAIN = "main thread besides the sample and MLflow's store"
 DEFAULT_SECONDS = {
     "python imports": 1.4, "orchestrator API": 3.5, MAIN: 0.4, "flow start": 0.3,
     "shard overhead per 1,000 rows": 0.6, "index build per 1,000 rows": 1.0, "finish": 0.1,
-    "exit, no engine": 2.2,
 }
-# A run that opens no engine (every shard finished, no trial) exits without closing one: the record's logging
-# and the orchestrator's shutdown alone, stored apart from the engines' exits it would pull down (two such reruns
-# on a 2-core AMD EPYC at speed 0.87-0.90, 2026-11-28: 1.97 and 2.01 s, where its vLLM runs' exits took 3.2 s).
-# Read from any engine's idle runs of this device and mode: the engine named by a run that opens none is a label.
+# A run that opens no engine (every shard finished, no trial) exits without closing one: the record's logging,
+# the orchestrator's shutdown and the interpreter's, stored apart from the engines' exits it would pull down.
+# Per engine, never read from another's: what the process imported to choose or name its engine is torn down
+# with it. A 2-core AMD EPYC at speed 0.87-0.95 (2026-11-28): 1.97 and 2.01 s for reruns of vLLM and auto jobs
+# (torch imported; their vLLM runs' exits took 3.2 s), 0.76 s for `make run`'s rerun on OpenVINO (no torch;
+# its run's exit 1.6 s).
 IDLE_EXIT = "exit, no engine"
+DEFAULT_IDLE_EXIT = {"vllm": 2.2, "transformers": 2.2, "onnxruntime": 0.8, "openvino": 0.8}
 # The shard overhead's default is per 1,000 rows of ~256 tokens (length class 8), in proportion to the rows'
 # length: a host of speed ~2.2 measured 1.4-1.5 s per 1,000 rows of ~255 tokens, 0.25-0.3 of ~55-64, 0.0-0.1 of ~19.
 OVERHEAD_DEFAULT_LENGTH = 8
@@ -814,8 +816,8 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
                         source=f"{seconds:.2f} s per 1,000 rows, {source}"))
     out.append(Part(name="finish", **_seconds(parts, fixed, "finish")))
     if idle:
-        seconds, source = stored(parts, fixed, IDLE_EXIT, DEFAULT_SECONDS[IDLE_EXIT])
-        source = f"no engine to close: {source}"
+        seconds, source = stored(parts, fixed, IDLE_EXIT, DEFAULT_IDLE_EXIT.get(engine, 2.2))
+        source = f"no engine to close ({engine}): {source}"
     else:
         seconds, source = stored(parts, fixed, "exit", default_exit(engine))
         source = f"{engine}: {source}"
