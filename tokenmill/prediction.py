@@ -202,9 +202,10 @@ DEFAULT_GFLOPS = 228.0
 # AMD EPYC with AVX-512 VNNI, 2026-11-28, bench/PREDICTION.md run 22a; runs there computed at 1/0.89 of the
 # defaults, transformers' float32 at 7,700-7,930 tokens/s): ONNX Runtime's dynamic int8 at 25,500-28,200 on the
 # gate's 256-row samples (3.2-3.6x), OpenVINO's static int8 at 27,900-36,000 over the mixed corpus's lengths and
-# 36,400-44,000 in whole runs (4.7-5.6x; its float32 at 14,600-16,500). With AMX's int8 tiles (a 2-core Xeon, 2026-11-26: whole runs of
-# the 3,000-row mixed corpus, two rounds interleaved): transformers' float32 10,075-10,145 tokens/s, OpenVINO's float32
-# 11,065-11,102, ONNX Runtime's dynamic int8 18,025-18,167 (1.8x), OpenVINO's static int8 29,944-30,515 (3.0x).
+# 36,400-44,000 in whole runs (4.7-5.6x; its float32 at 14,600-16,500). With AMX's int8 tiles (a 2-core Xeon,
+# 2026-11-26: whole runs of the 3,000-row mixed corpus, two rounds interleaved): transformers' float32
+# 10,075-10,145 tokens/s, OpenVINO's float32 11,065-11,102, ONNX Runtime's dynamic int8 18,025-18,167 (1.8x),
+# OpenVINO's static int8 29,944-30,515 (3.0x).
 DEFAULT_QUANTIZED_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
                              ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 4.5,
                              ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0}
