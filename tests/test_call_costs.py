@@ -3,7 +3,7 @@
 import pytest
 
 from tokenmill import call_costs
-from tokenmill.call_costs import CallCost, answer_lengths, expected_longest, fit, job_seconds
+from tokenmill.call_costs import AnswerDraws, CallCost, answer_lengths, expected_longest, fit, job_seconds
 from tokenmill.runner import plan_feed
 from tokenmill.spec import JobSpec
 
@@ -32,6 +32,34 @@ def test_answers_cut_at_the_trials_cap_run_to_the_jobs_and_a_wider_call_waits_fo
     assert expected_longest(answers, 1) == pytest.approx(30.0)  # one row: the mean answer
     assert expected_longest(answers, 2) < expected_longest(answers, 8) < 64
     assert expected_longest(answers, 200) == pytest.approx(64.0)
+
+
+def test_a_rows_answer_is_drawn_from_the_answers_of_prompts_of_its_length():
+    """The held-out README paragraphs' shape (bench/PREDICTION.md, run 23): short prompts answered short, the
+    longest ran to the cap, and the longest prompts run one to a call. Drawn blind, a one-row call of a long
+    prompt is planned at the mean answer; drawn by length, near the cap."""
+    inputs = [50, 55, 60, 65, 70, 80, 90, 100, 400, 450, 600, 900]
+    answers = [10, 20, 12, 18, 25, 15, 22, 30, 64, 64, 64, 64]
+    blind, by_length = AnswerDraws(answers), AnswerDraws(answers, inputs)
+    assert blind.longest([700]) == pytest.approx(sum(answers) / len(answers))
+    assert blind.longest([1] * 5) == pytest.approx(expected_longest(answers, 5))
+    assert by_length.longest([700]) > 60 and by_length.mean(700) > 60
+    assert by_length.longest([60]) < 25 and by_length.mean(60) < 25
+    assert by_length.longest([60, 700]) > by_length.longest([700]) - 1e-9  # a wider call waits for its longest
+    assert 0 < by_length.mean(10 ** 9) <= 64 and 0 < by_length.mean(1) <= 64  # far from every prompt: the nearest
+    assert AnswerDraws(answers, inputs[:-1]).longest([700]) == pytest.approx(blind.longest([700]))  # not paired
+    spec = JobSpec.model_validate({"input": "x", "mode": "generate", "model": {"name": "SmolLM2-135M-Instruct"},
+                                   "generation": {"max_tokens": 64}})
+    coefficients = [SLOT, STEP, ROW_STEP, 0.0]
+
+    def plan(shard):
+        return plan_feed(shard, spec, "transformers")
+
+    calls = plan(inputs)  # these rows themselves: each call's steps are its rows' longest answer
+    exact = sum(max(answers[i] for i in call) for call in calls) / len(calls)
+    _, _, blind_steps = job_seconds(coefficients, plan, inputs, 12, 1, True, answers, 256)
+    _, planned_calls, steps = job_seconds(coefficients, plan, inputs, 12, 1, True, answers, 256, inputs)
+    assert planned_calls == len(calls) and abs(steps - exact) < 0.5 * abs(blind_steps - exact)
 
 
 def test_a_job_of_more_rows_costs_less_a_row_where_its_calls_are_wider():

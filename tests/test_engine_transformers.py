@@ -187,6 +187,7 @@ def test_a_generation_trial_measures_calls_of_two_widths_and_its_answers():
     assert trial.error is None
     timed = trial.rows
     assert len(trial.output_lengths) == timed and all(1 <= n <= 8 for n in trial.output_lengths)
+    assert sorted(trial.input_lengths) == sorted(len(r) for r in rows[:timed])  # each answer's prompt's length
     widths = [c.rows for c in trial.calls]
     assert sum(widths[:-2]) == timed and widths[-2] == timed and timed not in widths[:-2], widths
     assert widths[-1] == min(PREFILL_ROWS, timed)
@@ -220,10 +221,14 @@ def test_a_runs_answers_are_what_the_next_prediction_of_its_corpus_plans_with(tm
 
     stored = call_costs.read_answers(tmp_path / "cache", answers_key(spec))
     assert sorted(stored.answers) == written and stored.cap == 8 and stored.source == "run"
-    answers, source = prediction.job_answers(spec, [])
+    table = pq.read_table(tmp_path / "out")  # each answer beside its own prompt's length
+    assert sorted(zip(stored.inputs, stored.answers)) == sorted(zip(table.column("input_tokens").to_pylist(),
+                                                                    table.column("output_tokens").to_pylist()))
+    assert prediction.job_answers(spec, [])[1] == stored.inputs
+    answers, _, source = prediction.job_answers(spec, [])
     assert sorted(answers) == written and "this corpus's last run" in source
     wider = spec.model_copy(update={"generation": spec.generation.model_copy(update={"max_tokens": 32})})
-    answers, source = prediction.job_answers(wider, [])  # a larger cap: those cut at 8 run to it
+    answers, _, source = prediction.job_answers(wider, [])  # a larger cap: those cut at 8 run to it
     assert sorted(answers) == sorted(32 if n >= 8 else n for n in written) and "cut at its cap of 8" in source
     call_costs.remember_answers(tmp_path / "cache", answers_key(spec), [1, 1], 4, "run")
     assert sorted(call_costs.read_answers(tmp_path / "cache", answers_key(spec)).answers) == written  # kept: cut less
@@ -233,12 +238,12 @@ def test_a_runs_answers_are_what_the_next_prediction_of_its_corpus_plans_with(tm
     calibrate(JobSpec.model_validate({**spec.model_dump(mode="json"), "generation": {
         **spec.generation.model_dump(mode="json"), "max_tokens": 12}}), (1, 2), sample_rows=6)
     stored = call_costs.read_answers(tmp_path / "cache", answers_key(spec))
-    assert stored.source == "calibration" and stored.cap == 12 and len(stored.answers) == 6
-    answers, source = prediction.job_answers(spec, [])
+    assert stored.source == "calibration" and stored.cap == 12 and len(stored.answers) == len(stored.inputs) == 6
+    answers, _, source = prediction.job_answers(spec, [])
     assert "this corpus's last calibration" in source and sorted(answers) == sorted(min(n, 8) for n in stored.answers)
     other = spec.model_copy(update={"input": str(tmp_path / "elsewhere")})
     asked = JobSpec.model_validate({**spec.model_dump(mode="json"), "generation": {
         "max_tokens": 8, "messages": [{"role": "user", "content": "Classify: {text}"}]}})
     for job in (other, asked):
-        answers, source = prediction.job_answers(job, [])
+        answers, _, source = prediction.job_answers(job, [])
         assert answers == [8] and "every answer to the cap (8 tokens), an upper bound" in source

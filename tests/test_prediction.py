@@ -827,6 +827,7 @@ def test_a_generation_run_on_a_corpus_never_generated_here_measures_its_answers_
     stdout = tokenmill("run", "--config", str(tmp_path / "job.yaml"), "--no-progress", cwd=tmp_path, cache=cache)
     line = prediction_line(stdout)
     assert f"{ANSWER_PROBE} " in line and "this corpus's last probe" in line and "every answer to the cap" not in line
+    assert "each row's drawn from those of prompts of its length" in line  # the probe kept its prompts' lengths
     assert "for 8 rows" in line and f"probe's {PROBE_ROWS} rows, generated before this" in line
     assert f"Rows:      {rows} in = {rows} out + 0 rejected" in stdout
     import mlflow
@@ -835,7 +836,7 @@ def test_a_generation_run_on_a_corpus_never_generated_here_measures_its_answers_
     (run,) = mlflow.search_runs(experiment_names=["tests"], output_format="list")
     assert run.data.metrics["rows_from_cache"] == PROBE_ROWS  # the probe's, kept: not computed again
     stored = call_costs.read_answers(cache, answers_key(JobSpec.model_validate(job)))
-    assert stored.source == "run" and stored.cap == 8
+    assert stored.source == "run" and stored.cap == 8 and len(stored.inputs) == len(stored.answers) > 0
     # the probe's calls stored with the run's (the prediction's fit read them): every row's, once
     calls = call_costs.read_calls(cache, rates_key(JobSpec.model_validate(job), "transformers"))
     assert sum(c.rows for c in calls) == rows

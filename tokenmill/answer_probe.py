@@ -112,7 +112,8 @@ def _probe(spec: JobSpec, engine_name: str) -> tuple[str, int]:
     results, seconds = run_batches(engine, calls, rows, job.spec, None, costs)
     outputs = restore_order(calls, results)
     answers = [g.output_tokens for g in outputs]
-    remember_answers(cache_dir(), answers_key(spec), answers, spec.generation.max_tokens, "probe")
+    remember_answers(cache_dir(), answers_key(spec), answers, spec.generation.max_tokens, "probe",
+                     [len(r) for r in rows])
     # its calls too, as a run's are stored: the prediction's fit then sees this corpus's calls at the job's cap
     remember_calls(cache_dir(), rates_key(spec, job.engine), costs)
     kept = keep_sample_rows(job.spec, job.model_path, job.engine, rows, outputs, seconds)

@@ -136,7 +136,9 @@ def calibrate(spec: JobSpec, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
                                        peak_memory_gib=memory.peak_gib, usd_per_1m_tokens=cost.usd_per_1m_tokens))
 
     if answers and spec.generation.n == 1:  # the plan and run of this job read them (engine_choice.corpus_answers)
-        remember_answers(cache_dir(), answers_key(spec), answers, spec.generation.max_tokens, "calibration")
+        # beside their prompts' lengths: the first size's whole calls are the sorted rows' first len(answers)
+        remember_answers(cache_dir(), answers_key(spec), answers, spec.generation.max_tokens, "calibration",
+                         lengths[: len(answers)])
     good = [p for p in points if p.error is None]
     fit = fit_call_time([p.batch_size for p in good], [p.seconds_per_call for p in good]) if len(good) >= 2 else None
     plateau = find_plateau([p.batch_size for p in good], [p.tokens_per_s for p in good])

@@ -21,9 +21,10 @@ engine and device: the engine trial's (its calls, and one call of all its rows a
 sees calls of more than one width) and every run's since.
 
 A job's calls are planned as the runner plans them (runner.plan_feed), on a shard of its sample's
-lengths, and each call's steps are the expected longest of its rows' answers, drawn from the answers the
-trials generated (this corpus's where a trial generated it; an answer cut at the trial's cap taken to
-run to the job's cap).
+lengths, and each call's steps are the expected longest of its rows' answers, each drawn from the answers
+measured for this corpus (its trials', its probe's, its last run's or calibration's; an answer cut at a
+lower cap taken to run to the job's), weighted by how near their prompts' lengths are to the row's
+(AnswerDraws: long prompts get long answers, and run few to a call).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def call_cost(pads: bool, lengths: Sequence[int], outputs: Sequence[Any], second
 
 _lock = threading.Lock()
 _run_calls: dict[str, list[CallCost]] = {}
-_run_answers: dict[str, list[int]] = {}
+_run_answers: dict[str, list[tuple[int, int]]] = {}  # (answer, its prompt's length), in tokens
 # embedding calls, summed by their rows' mean length in tokens: {mean: their sum} (observe_embedding)
 _run_lengths: dict[str, dict[int, CallCost]] = {}
 
@@ -99,9 +100,10 @@ def _runs_on(spec, engine: str) -> str:
     return json.dumps([engine, spec.mode, spec.model.model_dump(mode="json", exclude={"engine"})], sort_keys=True)
 
 
-def observe(spec, engine: str, calls: Sequence[CallCost], answers: Sequence[int] = ()) -> None:
-    """A shard's generation calls and its rows' answers in tokens (runner): kept until the run of this model
-    on this engine stores them (take, take_answers)."""
+def observe(spec, engine: str, calls: Sequence[CallCost], answers: Sequence[int] = (),
+            inputs: Sequence[int] = ()) -> None:
+    """A shard's generation calls and its rows' answers in tokens, beside their prompts' lengths (`inputs`, in
+    the same order; runner): kept until the run of this model on this engine stores them (take, take_answers)."""
     with _lock:
         if calls:
             kept = _run_calls.setdefault(_runs_on(spec, engine), [])
@@ -109,7 +111,8 @@ def observe(spec, engine: str, calls: Sequence[CallCost], answers: Sequence[int]
             del kept[:-KEEP_CALLS]  # a process that runs without predicting keeps no more than it would store
         if answers:
             held = _run_answers.setdefault(_runs_on(spec, engine), [])
-            held.extend(int(n) for n in answers)
+            prompts = list(inputs) if len(inputs) == len(answers) else [0] * len(answers)
+            held.extend((int(n), int(p)) for n, p in zip(answers, prompts))
             if len(held) > 8 * KEEP_ANSWERS:  # a long run: every other answer, so early shards keep their share
                 held[:] = held[::2]
 
@@ -148,9 +151,11 @@ def take(spec, engine: str) -> list[CallCost]:
         return _run_calls.pop(_runs_on(spec, engine), [])
 
 
-def take_answers(spec, engine: str) -> list[int]:
+def take_answers(spec, engine: str) -> tuple[list[int], list[int]]:
+    """This run's answers and their prompts' lengths (observe)."""
     with _lock:
-        return _run_answers.pop(_runs_on(spec, engine), [])
+        held = _run_answers.pop(_runs_on(spec, engine), [])
+    return [n for n, _ in held], [p for _, p in held]
 
 
 def forget() -> None:
@@ -191,10 +196,12 @@ def _answers_path(cache: Path) -> Path:
 
 class Answers(BaseModel):
     """The answers' lengths in tokens that rows of one corpus and prompt got from one model (up to
-    KEEP_ANSWERS), at the cap they ran to (an answer of `cap` tokens was cut there), and what measured them."""
+    KEEP_ANSWERS), at the cap they ran to (an answer of `cap` tokens was cut there), and what measured them;
+    beside each, its prompt's length in tokens (`inputs`: empty where stored before they were kept)."""
     answers: list[int]
     cap: int
-    source: str  # "run" | "calibration"
+    source: str  # "run" | "calibration" | "probe"
+    inputs: list[int] = []
 
 
 def read_answers(cache: Path, key: str) -> Answers | None:
@@ -205,13 +212,16 @@ def read_answers(cache: Path, key: str) -> Answers | None:
         return None
 
 
-def remember_answers(cache: Path, key: str, answers: Sequence[int], cap: int, source: str) -> None:
-    """A run's or a calibration's answers for `key` (engine_choice.answers_key: the model, corpus and prompt).
-    What was stored at a higher cap stays (its answers were cut less); at the same cap the newest replace it."""
+def remember_answers(cache: Path, key: str, answers: Sequence[int], cap: int, source: str,
+                     inputs: Sequence[int] = ()) -> None:
+    """A run's or a calibration's answers for `key` (engine_choice.answers_key: the model, corpus and prompt),
+    with their prompts' lengths where given (`inputs`, in the same order). What was stored at a higher cap
+    stays (its answers were cut less); at the same cap the newest replace it."""
     if not answers or cap <= 0:
         return
     step = max(1, math.ceil(len(answers) / KEEP_ANSWERS))  # evenly spaced over the run's shards
-    kept = Answers(answers=[int(n) for n in answers][::step], cap=cap, source=source).model_dump()
+    prompts = [int(n) for n in inputs][::step] if len(inputs) == len(answers) and all(n > 0 for n in inputs) else []
+    kept = Answers(answers=[int(n) for n in answers][::step], cap=cap, source=source, inputs=prompts).model_dump()
 
     def keep(stored: dict) -> None:
         held = stored.get(key)
@@ -267,13 +277,64 @@ def answer_lengths(trial_lengths: Sequence[int], trial_cap: int, job_cap: int) -
     return [job_cap if n >= trial_cap else min(n, job_cap) for n in trial_lengths]
 
 
+# How near two prompts' lengths must be for one's answer to stand for the other's: a Gaussian weight over the
+# log of their ratio, of this width (x1.4 at one width). Answers follow their prompts' lengths: the held-out
+# README paragraphs (bench/PREDICTION.md, run 23) answered 28 tokens a row below 130 prompt tokens and 59 above,
+# every prompt of 398 or more ran to the cap of 64, and its longest prompts run one to a call. Drawn blind from
+# all answers, those one-row calls were planned at the mean answer: 46.5 steps a call against 56.2 run (engine
+# 63.3 s against 69.8 on the calls' real answers). Drawn by length, from the run's 96 answers: 55.2 steps,
+# 70.0 s; from 32 of them (a probe's), 69.3 s on average over 20 draws (sd 3.0; blind 63.7). Narrower (0.2)
+# follows a probe's few long prompts too closely; wider (0.8) is blind again (65.7 s).
+ANSWER_WIDTH = 0.35
+
+
+class AnswerDraws:
+    """A job's rows' answers, each drawn from the answers measured for its corpus (with replacement), weighted
+    by how near their prompts' lengths are to the row's (ANSWER_WIDTH); drawn alike for every row where the
+    prompts' lengths were not kept (`inputs` empty)."""
+
+    def __init__(self, answers: Sequence[int], inputs: Sequence[int] = ()):
+        self.answers = np.asarray(answers, dtype=float)
+        self.values = np.unique(self.answers)  # ascending
+        by_length = len(inputs) == len(answers) and len(answers) > 1 and min(inputs) > 0
+        self.logs = np.log(np.asarray(inputs, dtype=float)) if by_length else None
+        self._drawn: dict[int, tuple[np.ndarray, float]] = {}  # a prompt's length: (cdf, mean answer)
+
+    def weights(self, length: int) -> np.ndarray:
+        if self.logs is None:
+            return np.full(len(self.answers), 1.0 / len(self.answers))
+        z = -0.5 * ((self.logs - math.log(max(length, 1))) / ANSWER_WIDTH) ** 2
+        w = np.exp(z - z.max())  # the nearest prompt weighs 1: no prompt is so far that every weight is 0
+        return w / w.sum()
+
+    def _draw(self, length: int) -> tuple[np.ndarray, float]:
+        key = length if self.logs is not None else 0
+        if key not in self._drawn:
+            w = self.weights(length)
+            self._drawn[key] = (np.array([w[self.answers <= v].sum() for v in self.values]), float(w @ self.answers))
+        return self._drawn[key]
+
+    def cdf(self, length: int) -> np.ndarray:
+        """P(answer <= v) for each of self.values, for a row of a prompt of `length` tokens."""
+        return self._draw(length)[0]
+
+    def mean(self, length: int) -> float:
+        """The mean answer of a row of a prompt of `length` tokens."""
+        return self._draw(length)[1] if len(self.answers) else 0.0
+
+    def longest(self, lengths: Sequence[int]) -> float:
+        """The expected longest answer of rows of these prompts' lengths: the sum over the answers' values of
+        the step to each times the chance some row's answer reaches it."""
+        if not len(self.values) or not len(lengths):
+            return 0.0
+        below = np.prod([self.cdf(n) for n in lengths], axis=0)  # P(every row's answer <= v)
+        reach = np.concatenate([[1.0], 1.0 - below[:-1]])  # P(the longest >= the value), value by value
+        return float(np.diff(self.values, prepend=0.0) @ reach)
+
+
 def expected_longest(answers: Sequence[int], rows: int) -> float:
     """The expected longest answer of `rows` rows, each drawn from `answers` (with replacement)."""
-    ordered = sorted(answers)
-    m = len(ordered)
-    if not m:
-        return 0.0
-    return sum(v * (((i + 1) / m) ** rows - (i / m) ** rows) for i, v in enumerate(ordered))
+    return AnswerDraws(answers).longest([1] * rows)
 
 
 def shard_lengths(lengths: Sequence[int], rows: int) -> list[int]:
@@ -292,21 +353,22 @@ def shard_lengths(lengths: Sequence[int], rows: int) -> list[int]:
 
 
 def job_seconds(coefficients: list[float], plan, lengths: Sequence[int], rows: int, shards: int, pads: bool,
-                answers: Sequence[int], concurrency: int) -> tuple[float, int, float]:
+                answers: Sequence[int], concurrency: int, inputs: Sequence[int] = ()) -> tuple[float, int, float]:
     """(engine seconds, calls, mean steps a call) of `rows` rows in `shards` shards, each planned by
-    `plan(shard lengths) -> list of calls (row indices)` as the runner plans them."""
+    `plan(shard lengths) -> list of calls (row indices)` as the runner plans them, each row's answer drawn
+    from `answers` by its prompt's length (AnswerDraws; `inputs`: the answers' prompts' lengths)."""
     if rows <= 0:
         return 0.0, 0, 0.0
     shards = max(shards, 1)
     per_shard = max(1, math.ceil(rows / shards))
     planned = min(per_shard, MAX_SHARD_ROWS)
     shard = shard_lengths(lengths, planned)
-    mean_answer = sum(answers) / len(answers) if answers else 0.0
+    draws = AnswerDraws(answers, inputs)
     seconds = steps_total = 0.0
     calls = plan(shard)
     for call in calls:
-        cost = call_shape(pads, [shard[i] for i in call], expected_longest(answers, len(call)),
-                          len(call) * mean_answer, concurrency)
+        prompts = [shard[i] for i in call]
+        cost = call_shape(pads, prompts, draws.longest(prompts), sum(draws.mean(n) for n in prompts), concurrency)
         seconds += sum(k * f for k, f in zip(coefficients, cost.features()))
         steps_total += cost.steps
     scale = rows / planned

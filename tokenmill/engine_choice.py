@@ -71,9 +71,10 @@ class EngineTrial(BaseModel):
     wall_seconds: float = 0.0  # the whole trial of this engine: start, warm-up call, every timed pass
     corpus: str = ""  # generate: output_identity of the job whose sample it generated (its outputs' length is that job's)
     # generate: each timed call's shape and seconds, and one call of another width (tokenmill.call_costs); the
-    # timed rows' answers in tokens, at the trial's cap (min(max_tokens, TRIAL_MAX_TOKENS))
+    # timed rows' answers in tokens, at the trial's cap (min(max_tokens, TRIAL_MAX_TOKENS)), and their prompts'
     calls: list[CallCost] = []
     output_lengths: list[int] = []
+    input_lengths: list[int] = []
     compiled: bool = False  # vLLM: its start compiled the model (tokenmill.vllm_engine.compiled_graphs), a first start here
 
 
@@ -402,32 +403,37 @@ def answers_key(spec: JobSpec) -> str:
     return f"{spec.model_name}|{spec.model.quantization or ''}|{output_identity(spec)}"
 
 
-def corpus_answers(spec: JobSpec, trials: list[EngineTrial]) -> tuple[list[int], int, str] | None:
-    """Generation: the answers (their lengths in tokens) this job's corpus and prompt got here, the cap they
-    ran to, and what measured them: its last run's or its calibration's (stored at the job's cap then),
+def corpus_answers(spec: JobSpec, trials: list[EngineTrial]) -> tuple[list[int], list[int], int, str] | None:
+    """Generation: the answers (their lengths in tokens) this job's corpus and prompt got here, their prompts'
+    lengths (empty where not kept), the cap they ran to, and what measured them: its last run's, probe's or
+    its calibration's (stored at the job's cap then),
     else its trials' (at the trial's cap), whichever ran to the higher cap. None where nothing generated
     this corpus with this prompt here: another corpus's answers say nothing of this one's (a summary of a
     README paragraph ran 31 tokens where one of the bench's mixed documents ran 18)."""
     if spec.mode != "generate":
         return None
     stored = call_costs.read_answers(cache_dir(), answers_key(spec))
-    own = [n for t in trials if t.corpus == output_identity(spec) for n in t.output_lengths]
+    ran = [t for t in trials if t.corpus == output_identity(spec) and t.output_lengths]
+    own = [n for t in ran for n in t.output_lengths]
+    prompts = [n for t in ran for n in t.input_lengths] if all(
+        len(t.input_lengths) == len(t.output_lengths) for t in ran) else []
     trial_cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)
     if stored is not None and (stored.cap >= trial_cap or not own):
-        return stored.answers, stored.cap, f"this corpus's last {stored.source}"
-    return (own, trial_cap, "this corpus's trial") if own else None
+        return stored.answers, stored.inputs, stored.cap, f"this corpus's last {stored.source}"
+    return (own, prompts, trial_cap, "this corpus's trial") if own else None
 
 
-def answers_at_cap(spec: JobSpec, trials: list[EngineTrial]) -> tuple[list[int], str] | None:
+def answers_at_cap(spec: JobSpec, trials: list[EngineTrial]) -> tuple[list[int], list[int], str] | None:
     """corpus_answers' answers at the job's cap (those cut at the cap they ran to taken to it:
-    call_costs.answer_lengths), and what measured them; None where nothing generated this corpus here."""
+    call_costs.answer_lengths), their prompts' lengths, and what measured them; None where nothing generated
+    this corpus here."""
     measured = corpus_answers(spec, trials)
     if measured is None:
         return None
-    answers, ran_to, source = measured
+    answers, prompts, ran_to, source = measured
     cap = spec.generation.max_tokens
     cut = f", those cut at its cap of {ran_to} taken to {cap}" if cap > ran_to else ""
-    return call_costs.answer_lengths(answers, ran_to, cap), f"{source}{cut}"
+    return call_costs.answer_lengths(answers, ran_to, cap), prompts, f"{source}{cut}"
 
 
 def output_tokens_per_row(spec: JobSpec, trials: list[EngineTrial]) -> float:
@@ -563,6 +569,7 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         tokens += produced
         generating = spec.mode == "generate" and spec.generation.n == 1  # n > 1: output_tokens sums n answers
         answers = [g.output_tokens for call in outputs for g in call] if generating else []
+        prompts = [len(rows[i]) for call in calls for i in call] if generating else []
         if generating:
             shapes += _other_width(instance, rows, calls, job) + _prefill_call(instance, rows, job)
     except Exception as exc:  # noqa: BLE001 - an engine that cannot run here loses, with its reason
@@ -573,7 +580,7 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
                        rows=len(rows), tokens=tokens, seconds=seconds, output_tokens=produced, streams=streams,
                        tokens_per_s_by_streams=by_streams if len(candidates) > 1 else {},
                        wall_seconds=time.perf_counter() - started, corpus=output_identity(spec), calls=shapes,
-                       output_lengths=answers, compiled=compiled)
+                       output_lengths=answers, input_lengths=prompts, compiled=compiled)
 
 
 PREFILL_ROWS = 2

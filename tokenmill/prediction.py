@@ -572,7 +572,7 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
     by_calls = calls_part(spec, engine, sample, trials, collapsed, tokens, repeats) if parts is not None else None
     if by_calls is not None:
         return by_calls, tokens
-    answered = (f"; {out_per_row:,.0f} output tokens a row ({job_answers(spec, trials)[1]})"
+    answered = (f"; {out_per_row:,.0f} output tokens a row ({job_answers(spec, trials)[2]})"
                 if spec.mode == "generate" else "")
     if not points:
         quantization = spec.model.quantization
@@ -589,17 +589,19 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
     return Part(name="engine", seconds=seconds, source=source), tokens
 
 
-def job_answers(spec: JobSpec, trials) -> tuple[list[int], str]:
-    """Generate: the answers' lengths a job's rows will have (call_costs.answer_lengths), from what generated
-    this job's corpus and prompt here (engine_choice.corpus_answers: its runs, its calibration, its trials);
-    else every row's to the cap, an upper bound (another corpus's answers say nothing of this one's)."""
+def job_answers(spec: JobSpec, trials) -> tuple[list[int], list[int], str]:
+    """Generate: the answers' lengths a job's rows will have (call_costs.answer_lengths) and their prompts'
+    lengths (empty where not kept), from what generated this job's corpus and prompt here
+    (engine_choice.corpus_answers: its runs, its probe, its calibration, its trials); else every row's to the
+    cap, an upper bound (another corpus's answers say nothing of this one's)."""
     cap = spec.generation.max_tokens
     measured = answers_at_cap(spec, [t for _, t in trials])
     if measured is None:
-        return [cap], (f"every answer to the cap ({cap} tokens), an upper bound: no run, trial or calibration "
-                       "generated this corpus with this prompt here")
-    answers, source = measured
-    return answers, f"answers of {statistics.fmean(answers):.0f} tokens a row ({source})"
+        return [cap], [], (f"every answer to the cap ({cap} tokens), an upper bound: no run, trial or calibration "
+                           "generated this corpus with this prompt here")
+    answers, prompts, source = measured
+    drawn = ", each row's drawn from those of prompts of its length" if prompts else ""
+    return answers, prompts, f"answers of {statistics.fmean(answers):.0f} tokens a row ({source}{drawn})"
 
 
 def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed: bool, tokens: float,
@@ -614,11 +616,11 @@ def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed:
     coefficients = call_costs.fit(measured)
     if coefficients is None:
         return None
-    answers, answered = job_answers(spec, trials)
+    answers, prompts, answered = job_answers(spec, trials)
     rows = sample.rows_to_compute(collapsed)
     seconds, calls, steps = call_costs.job_seconds(
         coefficients, lambda lengths: plan_feed(lengths, spec, engine), sample.computed_lengths(collapsed) or [1],
-        rows, sample.shards, engine_pads(engine), answers, spec.batching.max_batch_size)
+        rows, sample.shards, engine_pads(engine), answers, spec.batching.max_batch_size, prompts)
     return Part(name="engine", seconds=seconds, source=(
         f"{calls:,} calls of {steps:.0f} steps on average, at {call_costs.describe_fit(coefficients)} ({engine}: "
         f"fit to {len(measured)} calls measured here); {answered}; {tokens / seconds if seconds else 0:,.0f} "
@@ -1494,8 +1496,8 @@ def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_r
                                   shards_read, gate_samples, call_costs.take_lengths(spec, engine)))
     call_costs.remember_calls(cache_dir(), rates_key(spec, engine), call_costs.take(spec, engine))
     if spec.mode == "generate":  # the next prediction of this corpus and prompt reads how long its answers ran
-        call_costs.remember_answers(cache_dir(), answers_key(spec), call_costs.take_answers(spec, engine),
-                                    spec.generation.max_tokens, "run")
+        answers, prompts = call_costs.take_answers(spec, engine)
+        call_costs.remember_answers(cache_dir(), answers_key(spec), answers, spec.generation.max_tokens, "run", prompts)
     marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
     if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
         opened = trials_ran or any(m in marks for m in ("engine_start", "early_engine_start", "answer_probe_start"))

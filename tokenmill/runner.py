@@ -122,13 +122,14 @@ def _run_rows(engine: Engine, work: RowsWork, job: ResolvedJob, shard_id: str) -
     batches = _feed(work.token_ids, job.spec, engine.name, engine)
     calls: list[CallCost] = []
     results_by_batch, engine_seconds = run_batches(engine, batches, work.token_ids, job.spec, shard_id, calls)
-    answers = ([output_tokens(g) for batch in results_by_batch for g in batch]
-               if job.spec.mode == "generate" and job.spec.generation.n == 1 else [])
+    generating = job.spec.mode == "generate" and job.spec.generation.n == 1
+    answers = [output_tokens(g) for batch in results_by_batch for g in batch] if generating else []
+    prompts = [len(work.token_ids[i]) for batch in batches for i in batch] if generating else []
     # for the next prediction's engine seconds and answers (tokenmill.call_costs), stored with the run's parts
     if job.spec.mode == "embed":
         observe_embedding(job.spec, engine.name, calls)
     else:
-        observe(job.spec, engine.name, calls, answers)
+        observe(job.spec, engine.name, calls, answers, prompts)
     return results_by_batch, engine_seconds, batches
 
 
