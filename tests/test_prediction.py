@@ -655,6 +655,7 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
     # the gate computes its 16 sample rows (the corpus's own) and keeps them in the row cache: not computed again
     assert first.rows == 40 - 16 and "the gate's 16 sample rows" in first.part("engine").source
     assert "+ engine start 0.0 s" in first.part("orchestration start").source  # no engine starts beside the API
+    assert "the gate's models: default" in first.part("exit").source  # its models close with the corpus's engine
 
     texts, source = gate.sample_texts(spec)
     tokens = 16 * 12
@@ -685,6 +686,7 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
     gate._write_verdict(gate.verdict_key(spec, texts), verdict, gate.judge_key(spec))
     kept = prediction.predict_job(spec)
     assert kept.engine == "onnxruntime" and "kept open" not in kept.part("engine start").source  # the gate starts none
+    assert "the gate's models" not in kept.part("exit").source  # nor has models to close
     assert kept.rows == 40  # no gate sample computed this time: every row is the corpus run's
     assert "verdict on this sample kept (candidate)" in kept.part("eval gate").source
     assert "(its gate's sample)" in kept.part("engine").source
@@ -910,7 +912,8 @@ def test_only_a_generation_corpus_never_generated_here_is_probed_on_the_engine_i
 
 def test_a_run_that_opens_no_engine_stores_its_exit_apart_from_the_engines(tmp_path, monkeypatch):
     """A rerun with every shard finished closes no engine: its exit (the record's logging, the orchestrator's
-    shutdown) is stored as the idle exit, not as the engine's, which a run that closes one reads."""
+    shutdown) is stored as the idle exit, not as the engine's, which a run that closes one reads. A run whose
+    gate measured its models closes theirs too: its exit is stored apart as well."""
     from tokenmill import prediction, timeline
     from tokenmill.spec import JobSpec
 
@@ -920,14 +923,28 @@ def test_a_run_that_opens_no_engine_stores_its_exit_apart_from_the_engines(tmp_p
     spec = JobSpec.model_validate({"input": "in", "mode": "embed", "model": {"name": "all-MiniLM-L6-v2",
                                                                            "engine": "transformers"}})
     key = prediction.fixed_key(spec, "transformers")
-    for opened in (False, True):
+    for opened in ({}, {"early_engine_start": 2.0}, {"gate_start": 2.0, "gate_measured": 3.0}):
         monkeypatch.setattr(timeline, "marks", lambda: {"cli_ready": 1.0, "record_started": time.time() - 0.5,
-                                                         **({"early_engine_start": 2.0} if opened else {})})
+                                                         **opened})
         prediction.remember_run(spec, "transformers", {}, 0, False)
         prediction.remember_exit()
     stored = prediction.read_parts()[key]
-    assert len(stored[prediction.IDLE_EXIT]) == len(stored["exit"]) == 1
+    assert len(stored[prediction.IDLE_EXIT]) == len(stored["exit"]) == len(stored[prediction.GATE_EXIT]) == 1
     assert 0.5 <= stored[prediction.IDLE_EXIT][0] < 60 and 0.5 <= stored["exit"][0] < 60
     # another engine's idle exit is its own (what its process imported is torn down with it): never read across
     other = prediction.fixed_key(spec, "openvino")
     assert prediction.stored(prediction.read_parts(), other, prediction.IDLE_EXIT, 0.8)[1].startswith("default")
+
+
+def test_an_engines_default_rate_follows_the_cpus_class_as_measured(monkeypatch):
+    """OpenVINO's float32 ran MiniLM at transformers' rate without VNNI, twice it on an EPYC with VNNI and no AMX,
+    1.1x with AMX; its int8 at 0.8x, 4.5x and 3.0x: the defaults a first gate is predicted from follow the class."""
+    from tokenmill import prediction
+
+    for cpu, float32, int8 in (("no-vnni", 1.0, 0.8), ("vnni", 2.0, 4.5), ("amx", 1.1, 3.0)):
+        monkeypatch.setattr(prediction, "int8_class", lambda: cpu)
+        base = prediction.default_rate("transformers", "embed")
+        assert prediction.default_rate("openvino", "embed") == pytest.approx(float32 * base)
+        assert prediction.default_rate("openvino", "embed", "int8") == pytest.approx(int8 * base)
+        assert prediction.default_rate("transformers", "generate") == prediction.DEFAULT_TOKENS_PER_S[
+            ("transformers", "generate")]  # generation: one rate whatever the class

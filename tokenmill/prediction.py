@@ -99,6 +99,12 @@ DEFAULT_SECONDS = {
 # its run's exit 1.6 s).
 IDLE_EXIT = "exit, no engine"
 DEFAULT_IDLE_EXIT = {"vllm": 2.2, "transformers": 2.2, "onnxruntime": 0.8, "openvino": 0.8}
+# A run whose eval gate measured its models exits with them: the reference's engine and the candidates' as well as
+# the corpus's, whatever the corpus ran on. Stored apart from the corpus engine's exit: on the 2-core EPYC
+# (speed 0.82, run 22b) `make run`'s gate on OpenVINO exited in 1.4 s and 0.8 s where gated, 0.5 s with its verdict
+# kept (OpenVINO's alone), which read the gate's 1.4 s (+11.1% on a 9-second job).
+GATE_EXIT = "exit, after a measuring gate"
+DEFAULT_GATE_EXIT = 1.3
 # The shard overhead's default is per 1,000 rows of ~256 tokens (length class 8), in proportion to the rows'
 # length: a host of speed ~2.2 measured 1.4-1.5 s per 1,000 rows of ~255 tokens, 0.25-0.3 of ~55-64, 0.0-0.1 of ~19.
 OVERHEAD_DEFAULT_LENGTH = 8
@@ -209,6 +215,10 @@ DEFAULT_GFLOPS = 228.0
 DEFAULT_QUANTIZED_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
                              ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 4.5,
                              ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0}
+# OpenVINO's float32 as a multiple of transformers', from the same runs: 1.0 without VNNI, 2.0 on the EPYC with VNNI
+# and no AMX, 1.1 with AMX. A gate's reference on it is a model every first gate measures at its default: the
+# EPYC's first gate (run 23a) put its 256-row sample at 1.7 s where it took ~0.9.
+DEFAULT_FLOAT32_SPEEDUP = {("openvino", "vnni"): 2.0, ("openvino", "amx"): 1.1}
 MEASURED_QUANTIZED = {("onnxruntime", "int8", "no-vnni"), ("openvino", "int8", "no-vnni"),
                       ("onnxruntime", "int8", "vnni"), ("openvino", "int8", "vnni"),
                       ("onnxruntime", "int8", "amx"), ("openvino", "int8", "amx")}
@@ -545,8 +555,9 @@ def rate_at(points: list[tuple[float, float]], length: float) -> float:
 
 def default_rate(engine: str, mode: str, quantization: str | None = None) -> float:
     rate = DEFAULT_TOKENS_PER_S.get((engine, mode), DEFAULT_TOKENS_PER_S_BY_MODE[mode])
-    if quantization and mode == "embed":
-        rate *= DEFAULT_QUANTIZED_SPEEDUP.get((engine, quantization, int8_class()), 1.0)
+    if mode == "embed":
+        rate *= (DEFAULT_QUANTIZED_SPEEDUP.get((engine, quantization, int8_class()), 1.0) if quantization
+                 else DEFAULT_FLOAT32_SPEEDUP.get((engine, int8_class()), 1.0))
     return rate
 
 
@@ -821,6 +832,9 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
     if idle:
         seconds, source = stored(parts, fixed, IDLE_EXIT, DEFAULT_IDLE_EXIT.get(engine, 2.2))
         source = f"no engine to close ({engine}): {source}"
+    elif gate_makes:
+        seconds, source = stored(parts, fixed, GATE_EXIT, DEFAULT_GATE_EXIT)
+        source = f"{engine} and the gate's models: {source}"
     else:
         seconds, source = stored(parts, fixed, "exit", default_exit(engine))
         source = f"{engine}: {source}"
@@ -1501,7 +1515,8 @@ def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_r
     marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
     if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
         opened = trials_ran or any(m in marks for m in ("engine_start", "early_engine_start", "answer_probe_start"))
-        _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"], "exit" if opened else IDLE_EXIT)]
+        name = GATE_EXIT if "gate_measured" in marks else "exit" if opened else IDLE_EXIT
+        _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"], name)]
 
 
 def remember_exit() -> None:
