@@ -571,7 +571,7 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         answers = [g.output_tokens for call in outputs for g in call] if generating else []
         prompts = [len(rows[i]) for call in calls for i in call] if generating else []
         if generating:
-            shapes += _other_width(instance, rows, calls, job) + _prefill_call(instance, rows, job)
+            shapes += _other_width(instance, rows, calls, job) + prefill_call(instance, rows, job)
     except Exception as exc:  # noqa: BLE001 - an engine that cannot run here loses, with its reason
         log.warning("engine auto: %s failed its trial: %s", engine, exc)
         return EngineTrial(engine=engine, start_seconds=0, tokens_per_s=0, rows=0, tokens=0, seconds=0,
@@ -586,7 +586,7 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
 PREFILL_ROWS = 2
 
 
-def _prefill_call(instance, rows: list[list[int]], job: JobSpec) -> list[CallCost]:
+def prefill_call(instance, rows: list[list[int]], job: JobSpec) -> list[CallCost]:
     """Generate on an engine that pads: one more call, of the sample's PREFILL_ROWS longest rows whole and one
     token each: its seconds are its prompts' (prefill), which the other calls' cannot tell from their steps'
     (their prompts are short beside their answers), so a fit to them put nothing on an input token, and a
