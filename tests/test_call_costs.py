@@ -34,6 +34,28 @@ def test_answers_cut_at_the_trials_cap_run_to_the_jobs_and_a_wider_call_waits_fo
     assert expected_longest(answers, 200) == pytest.approx(64.0)
 
 
+def test_a_prefill_call_keeps_the_prompts_cost_in_the_fit():
+    """A probe's calls on a docstring corpus (SmolLM2 on transformers, the 2-core EPYC, session 23): nine calls
+    of 1 to 13 rows and its prefill call (2 rows of 405 tokens, one token each). The nine alone put a row's
+    step's cost on the prompts' tokens (4.5 ms a slot, nothing a row's step), and a call of one 972-token
+    prompt, 48 steps (3.47 s run), at 5.8 s; with the prefill call both terms are in, as measured."""
+    probe = [(1, 314, 48, 2.27), (1, 240, 48, 2.18), (2, 364, 48, 3.6), (1, 115, 35, 1.53), (1, 102, 45, 1.91),
+             (4, 320, 48, 3.34), (7, 490, 40, 3.99), (13, 806, 48, 4.74), (1, 55, 8, 0.45)]
+    calls = [CallCost(rows=r, input_slots=slots, steps=steps, output_slots=r * steps, seconds=s)
+             for r, slots, steps, s in probe]
+    prefill = CallCost(rows=2, input_slots=810, steps=1, output_slots=2, seconds=1.12)
+    long_prompt = CallCost(rows=1, input_slots=972, steps=48, output_slots=48, seconds=3.47)
+
+    def planned(coefficients):
+        return sum(k * f for k, f in zip(coefficients, long_prompt.features()))
+
+    without = fit(calls)
+    assert without[2] == 0.0 and planned(without) > 5.0
+    kept = fit(calls + [prefill])
+    assert kept[0] > 0.001 and kept[2] > 0.001 and abs(planned(kept) - long_prompt.seconds) < 0.35
+    assert abs(sum(k * f for k, f in zip(kept, prefill.features())) - prefill.seconds) < 0.25
+
+
 def test_a_rows_answer_is_drawn_from_the_answers_of_prompts_of_its_length():
     """The held-out README paragraphs' shape (bench/PREDICTION.md, run 23): short prompts answered short, the
     longest ran to the cap, and the longest prompts run one to a call. Drawn blind, a one-row call of a long
