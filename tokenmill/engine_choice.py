@@ -406,10 +406,10 @@ def answers_key(spec: JobSpec) -> str:
 def corpus_answers(spec: JobSpec, trials: list[EngineTrial]) -> tuple[list[int], list[int], int, str] | None:
     """Generation: the answers (their lengths in tokens) this job's corpus and prompt got here, their prompts'
     lengths (empty where not kept), the cap they ran to, and what measured them: its last run's, probe's or
-    its calibration's (stored at the job's cap then),
-    else its trials' (at the trial's cap), whichever ran to the higher cap. None where nothing generated
-    this corpus with this prompt here: another corpus's answers say nothing of this one's (a summary of a
-    README paragraph ran 31 tokens where one of the bench's mixed documents ran 18)."""
+    calibration's (stored at the job's cap then), else its trials' (at the trial's cap), whichever ran to the
+    higher cap. None where nothing generated this corpus with this prompt here: another corpus's answers say
+    nothing of this one's (a summary of a README paragraph ran 31 tokens where one of the bench's mixed
+    documents ran 18)."""
     if spec.mode != "generate":
         return None
     stored = call_costs.read_answers(cache_dir(), answers_key(spec))
