@@ -101,8 +101,8 @@ IDLE_EXIT = "exit, no engine"
 DEFAULT_IDLE_EXIT = {"vllm": 2.2, "transformers": 2.2, "onnxruntime": 0.8, "openvino": 0.8}
 # A run whose eval gate measured its models exits with them: the reference's engine and the candidates' as well as
 # the corpus's, whatever the corpus ran on. Stored apart from the corpus engine's exit: on the 2-core EPYC
-# (speed 0.82, run 22b) `make run`'s gate on OpenVINO exited in 1.4 s and 0.8 s where gated, 0.5 s with its verdict
-# kept (OpenVINO's alone), which read the gate's 1.4 s (+11.1% on a 9-second job).
+# (speed 0.82-0.89, runs 22b-23b) `make run`'s gate on OpenVINO exited in 0.8-1.4 s where gated, 0.5-0.7 s with its
+# verdict kept (OpenVINO's alone), which read the gate's 1.4 s (+11.1% on a 9-second job, 22b).
 GATE_EXIT = "exit, after a measuring gate"
 DEFAULT_GATE_EXIT = 1.3
 # The shard overhead's default is per 1,000 rows of ~256 tokens (length class 8), in proportion to the rows'
@@ -829,12 +829,12 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
         out.append(Part(name="index build", seconds=seconds * sample.rows / 1000,
                         source=f"{seconds:.2f} s per 1,000 rows, {source}"))
     out.append(Part(name="finish", **_seconds(parts, fixed, "finish")))
-    if idle:
-        seconds, source = stored(parts, fixed, IDLE_EXIT, DEFAULT_IDLE_EXIT.get(engine, 2.2))
-        source = f"no engine to close ({engine}): {source}"
-    elif gate_makes:
+    if gate_makes:  # before idle: a gate that measures opens its models whether or not a shard is left
         seconds, source = stored(parts, fixed, GATE_EXIT, DEFAULT_GATE_EXIT)
         source = f"{engine} and the gate's models: {source}"
+    elif idle:
+        seconds, source = stored(parts, fixed, IDLE_EXIT, DEFAULT_IDLE_EXIT.get(engine, 2.2))
+        source = f"no engine to close ({engine}): {source}"
     else:
         seconds, source = stored(parts, fixed, "exit", default_exit(engine))
         source = f"{engine}: {source}"
