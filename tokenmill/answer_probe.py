@@ -35,7 +35,7 @@ import logging
 
 from tokenmill import timeline
 from tokenmill.bucketing import restore_order
-from tokenmill.call_costs import MIN_CALLS, CallCost, remember_answers, remember_calls
+from tokenmill.call_costs import CallCost, remember_answers, remember_calls
 from tokenmill.engine_choice import (TRIAL_ROWS, answers_at_cap, answers_key, cache_dir, choose_engine,
                                      engine_trials, prefill_call, rates_key, runnable_engines, sample_rows,
                                      trial_order, trials_cached, with_engine)
@@ -60,13 +60,14 @@ PROBED_ENGINES = ("vllm", "transformers")
 
 
 def fit_calls(engine, rows: list[list[int]], costs: list[CallCost], job: JobSpec) -> list[CallCost]:
-    """The probe's calls as the fit of a call's seconds gets them: without its first (the engine's first call,
-    which pays its allocations: a trial warms up first), and with one more call, its longest prompts whole for
-    one token (engine_choice.prefill_call: what a token of prompt costs, apart from a step's and a row's). A
-    named engine's first generation here has no trial: the probe's calls alone, of 1 to 13 rows of prompts up
+    """The probe's calls as the fit of a call's seconds gets them: with one more call, its longest prompts whole
+    for one token (engine_choice.prefill_call: what a token of prompt costs, apart from a step's and a row's).
+    A named engine's first generation here has no trial: the probe's calls alone, of 1 to 13 rows of prompts up
     to 405 tokens, were fit at 4.7 ms an input slot and no cost a row's step, and put a docstring corpus's
-    calls of prompts up to 972 tokens at 106 s against 87.8 (a 1-row call of 972: 6.0 s against 3.5)."""
-    return (costs[1:] if len(costs) > MIN_CALLS else costs) + prefill_call(engine, rows, job)
+    calls of prompts up to 972 tokens at 106 s against 87.8 (a 1-row call of 972: 6.0 s against 3.5). Its
+    first call stays in, though it pays the engine's allocations (a trial warms up first): so does a run's on
+    a fresh engine, and without it the bench's warm SmolLM2 generation was planned at 21.0 s against 24.4."""
+    return costs + prefill_call(engine, rows, job)
 
 
 def probe_engine(spec: JobSpec, mean_tokens: float | None = None) -> str | None:
