@@ -3,7 +3,7 @@
 import pytest
 
 from tokenmill import call_costs
-from tokenmill.call_costs import AnswerDraws, CallCost, answer_lengths, expected_longest, fit, job_seconds
+from tokenmill.call_costs import AnswerDraws, CallCost, answer_lengths, fit, job_seconds
 from tokenmill.runner import plan_feed
 from tokenmill.spec import JobSpec
 
@@ -28,10 +28,14 @@ def test_the_fit_finds_a_steps_cost_apart_from_its_cost_per_row_only_from_calls_
 def test_answers_cut_at_the_trials_cap_run_to_the_jobs_and_a_wider_call_waits_for_its_longest():
     assert answer_lengths([7, 20, 32, 32], trial_cap=32, job_cap=64) == [7, 20, 64, 64]
     assert answer_lengths([7, 20, 32], trial_cap=32, job_cap=16) == [7, 16, 16]
-    answers = [8, 16, 32, 64]
-    assert expected_longest(answers, 1) == pytest.approx(30.0)  # one row: the mean answer
-    assert expected_longest(answers, 2) < expected_longest(answers, 8) < 64
-    assert expected_longest(answers, 200) == pytest.approx(64.0)
+    answers = AnswerDraws([8, 16, 32, 64])  # drawn alike for every row: no prompts' lengths kept
+
+    def expected_longest(rows: int) -> float:
+        return answers.longest([1] * rows)
+
+    assert expected_longest(1) == pytest.approx(30.0)  # one row: the mean answer
+    assert expected_longest(2) < expected_longest(8) < 64
+    assert expected_longest(200) == pytest.approx(64.0)
 
 
 def test_a_prefill_call_keeps_the_prompts_cost_in_the_fit():
@@ -64,7 +68,9 @@ def test_a_rows_answer_is_drawn_from_the_answers_of_prompts_of_its_length():
     answers = [10, 20, 12, 18, 25, 15, 22, 30, 64, 64, 64, 64]
     blind, by_length = AnswerDraws(answers), AnswerDraws(answers, inputs)
     assert blind.longest([700]) == pytest.approx(sum(answers) / len(answers))
-    assert blind.longest([1] * 5) == pytest.approx(expected_longest(answers, 5))
+    ordered = sorted(answers)  # the expected maximum of 5 draws with replacement, in closed form
+    closed = sum(v * (((i + 1) / 12) ** 5 - (i / 12) ** 5) for i, v in enumerate(ordered))
+    assert blind.longest([1] * 5) == pytest.approx(closed)
     assert by_length.longest([700]) > 60 and by_length.mean(700) > 60
     assert by_length.longest([60]) < 25 and by_length.mean(60) < 25
     assert by_length.longest([60, 700]) > by_length.longest([700]) - 1e-9  # a wider call waits for its longest

@@ -344,11 +344,6 @@ class AnswerDraws:
         return float(np.diff(self.values, prepend=0.0) @ reach)
 
 
-def expected_longest(answers: Sequence[int], rows: int) -> float:
-    """The expected longest answer of `rows` rows, each drawn from `answers` (with replacement)."""
-    return AnswerDraws(answers).longest([1] * rows)
-
-
 def shard_lengths(lengths: Sequence[int], rows: int) -> list[int]:
     """A shard of `rows` rows with the sample's length distribution: its quantiles, interpolated between the
     sample's rows (a sample's 16 lengths repeated make calls of equal rows that a corpus's lengths, all

@@ -201,7 +201,8 @@ DEFAULT_TOKENS_PER_S_BY_MODE = {"embed": 7_000.0, "generate": 170.0}
 # 85% of their cores' peak (two 8-wide FMA units at 2.5-3.0 GHz) they would probe at 68-82 GFLOP/s a core, which
 # this figure puts at 1/1.4-1/1.65. A stated estimate until a session on such a host probes one.
 DEFAULT_GFLOPS = 228.0
-# A quantized embedding model's default rate, as a multiple of its engine's: a CPU with AVX2 and no VNNI
+# An embedding model's default rate by engine, quantization (None: float32) and CPU class, as a multiple of its
+# engine's (transformers' float32 for OpenVINO's float32, measured in the same runs). A CPU with AVX2 and no VNNI
 # (bench/PREDICTION.md's host, machine speed ~2.2) measured MiniLM on 256-row gate samples at 6,760-7,520 tokens/s
 # with ONNX Runtime's dynamic int8, 3,540-3,700 with OpenVINO's static int8 (slower than its float32's 4,400-4,440:
 # without VNNI its int8 products are emulated), transformers' float32 4,400-4,700. With VNNI and no AMX (a 2-core
@@ -212,13 +213,13 @@ DEFAULT_GFLOPS = 228.0
 # 2026-11-26: whole runs of the 3,000-row mixed corpus, two rounds interleaved): transformers' float32
 # 10,075-10,145 tokens/s, OpenVINO's float32 11,065-11,102, ONNX Runtime's dynamic int8 18,025-18,167 (1.8x),
 # OpenVINO's static int8 29,944-30,515 (3.0x).
-DEFAULT_QUANTIZED_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
-                             ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 4.5,
-                             ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0}
-# OpenVINO's float32 as a multiple of transformers', from the same runs: 1.0 without VNNI, 2.0 on the EPYC with VNNI
-# and no AMX, 1.1 with AMX. A gate's reference on it is a model every first gate measures at its default: the
-# EPYC's first gate (run 23a) put its 256-row sample at 1.7 s where it took ~0.9.
-DEFAULT_FLOAT32_SPEEDUP = {("openvino", "vnni"): 2.0, ("openvino", "amx"): 1.1}
+# OpenVINO's float32 ran at 1.0x transformers' without VNNI, 2.0x on the EPYC, 1.1x with AMX: a gate's reference on
+# it is a model every first gate measures at its default, and the EPYC's first gate (run 23a) put its 256-row sample
+# at 1.7 s at 1.0x where it took ~0.9.
+DEFAULT_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
+                   ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 4.5,
+                   ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0,
+                   ("openvino", None, "vnni"): 2.0, ("openvino", None, "amx"): 1.1}
 MEASURED_QUANTIZED = {("onnxruntime", "int8", "no-vnni"), ("openvino", "int8", "no-vnni"),
                       ("onnxruntime", "int8", "vnni"), ("openvino", "int8", "vnni"),
                       ("onnxruntime", "int8", "amx"), ("openvino", "int8", "amx")}
@@ -556,8 +557,7 @@ def rate_at(points: list[tuple[float, float]], length: float) -> float:
 def default_rate(engine: str, mode: str, quantization: str | None = None) -> float:
     rate = DEFAULT_TOKENS_PER_S.get((engine, mode), DEFAULT_TOKENS_PER_S_BY_MODE[mode])
     if mode == "embed":
-        rate *= (DEFAULT_QUANTIZED_SPEEDUP.get((engine, quantization, int8_class()), 1.0) if quantization
-                 else DEFAULT_FLOAT32_SPEEDUP.get((engine, int8_class()), 1.0))
+        rate *= DEFAULT_SPEEDUP.get((engine, quantization or None, int8_class()), 1.0)
     return rate
 
 
