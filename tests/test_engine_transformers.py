@@ -197,6 +197,12 @@ def test_a_generation_trial_measures_calls_of_two_widths_and_its_answers():
     prefill = trial.calls[-1]
     assert prefill.steps == 1 and prefill.input_slots == prefill.rows * max(len(r) for r in rows[:timed])  # whole
     assert fit(trial.calls) is not None
+    # the prediction of a first run's trials plans the same calls (its seconds: their costs, fit here before it)
+    from tokenmill.prediction import trial_call_plan
+
+    calls, prefill = trial_call_plan(spec, "transformers", [len(r) for r in rows])
+    assert [len(c) for c in calls[1:]] + [len(prefill)] == widths  # calls[0]: the warm-up, not timed
+    assert [len(c) * max(c) for c in calls[1:]] + [len(prefill) * max(prefill)] == [c.input_slots for c in trial.calls]
 
 
 def test_a_runs_answers_are_what_the_next_prediction_of_its_corpus_plans_with(tmp_path, monkeypatch):

@@ -370,13 +370,19 @@ def job_seconds(coefficients: list[float], plan, lengths: Sequence[int], rows: i
     per_shard = max(1, math.ceil(rows / shards))
     planned = min(per_shard, MAX_SHARD_ROWS)
     shard = shard_lengths(lengths, planned)
-    draws = AnswerDraws(answers, inputs)
-    seconds = steps_total = 0.0
     calls = plan(shard)
-    for call in calls:
-        prompts = [shard[i] for i in call]
-        cost = call_shape(pads, prompts, draws.longest(prompts), sum(draws.mean(n) for n in prompts), concurrency)
-        seconds += sum(k * f for k, f in zip(coefficients, cost.features()))
-        steps_total += cost.steps
+    seconds, steps_total = calls_seconds(coefficients, [[shard[i] for i in call] for call in calls], pads,
+                                         AnswerDraws(answers, inputs), concurrency)
     scale = rows / planned
     return seconds * scale, round(len(calls) * scale), steps_total / len(calls) if calls else 0.0
+
+
+def calls_seconds(coefficients: list[float], calls: Sequence[Sequence[int]], pads: bool, draws: AnswerDraws,
+                  concurrency: int) -> tuple[float, float]:
+    """(seconds, steps) of generation calls, each given as its prompts' lengths, their answers drawn."""
+    seconds = steps = 0.0
+    for prompts in calls:
+        cost = call_shape(pads, prompts, draws.longest(prompts), sum(draws.mean(n) for n in prompts), concurrency)
+        seconds += sum(k * f for k, f in zip(coefficients, cost.features()))
+        steps += cost.steps
+    return seconds, steps

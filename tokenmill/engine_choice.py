@@ -597,11 +597,28 @@ def prefill_call(instance, rows: list[list[int]], job: JobSpec) -> list[CallCost
     tokens/s."""
     if not engine_pads(instance.name):
         return []
-    take = sorted(rows, key=len)[-min(PREFILL_ROWS, job.batching.max_batch_size):]
+    take = sorted(rows, key=len)[-prefill_rows(job):]
     one = job.model_copy(update={"generation": job.generation.model_copy(update={"max_tokens": 1, "min_tokens": 0})})
     shapes: list[CallCost] = []
     run_batches(instance, [list(range(len(take)))], take, one, None, shapes)
     return shapes
+
+
+def prefill_rows(job: JobSpec) -> int:
+    """The rows of prefill_call: the sample's PREFILL_ROWS longest, at most a batch."""
+    return min(PREFILL_ROWS, job.batching.max_batch_size)
+
+
+def other_width_call(lengths: list[int], widths: set[int], pads: bool) -> list[tuple[int, int]]:
+    """_other_width's call, as (row index, tokens kept from the row's end): on an engine that pads every row,
+    each cut to the shortest row's length; else, or where the timed calls had that width already (rows of
+    near lengths made one call of them all), the shortest row alone; none where they had that width too."""
+    first_shortest = lengths.index(min(lengths))
+    shortest = max(1, lengths[first_shortest])  # r[-0:] would be the whole row
+    other = [(i, shortest) for i in range(len(lengths))] if pads else [(first_shortest, lengths[first_shortest])]
+    if len(other) in widths:
+        other = [(first_shortest, lengths[first_shortest])]
+    return [] if len(other) in widths else other
 
 
 def _other_width(instance, rows: list[list[int]], calls: list[list[int]], job: JobSpec) -> list[CallCost]:
@@ -609,13 +626,10 @@ def _other_width(instance, rows: list[list[int]], calls: list[list[int]], job: J
     (tokenmill.call_costs) can tell a step's fixed cost from its cost per row. An engine that pads gets every
     row at once, each cut to the shortest row's last tokens (little padding, its template's end kept); one
     that does not, the shortest row alone. Not counted in the trial's tokens/s."""
-    widths = {len(call) for call in calls}
-    shortest = max(1, min(len(r) for r in rows))  # r[-0:] would be the whole row
-    other = [r[-shortest:] for r in rows] if engine_pads(instance.name) else [min(rows, key=len)]
-    if len(other) in widths:  # rows of near lengths made one call of them all: the shortest row alone
-        other = [min(rows, key=len)]
-    if len(other) in widths:
+    cut = other_width_call([len(r) for r in rows], {len(call) for call in calls}, engine_pads(instance.name))
+    if not cut:
         return []
+    other = [rows[i][-kept:] for i, kept in cut]
     shapes: list[CallCost] = []
     run_batches(instance, [list(range(len(other)))], other, job, None, shapes)
     return shapes

@@ -56,7 +56,9 @@ from tokenmill.engine_choice import (
     class_rates,
     engine_trials,
     length_class,
+    other_width_call,
     output_tokens_per_row,
+    prefill_rows,
     rates_key,
     runnable_engines,
     sample_rows,
@@ -213,13 +215,20 @@ DEFAULT_GFLOPS = 228.0
 # 2026-11-26: whole runs of the 3,000-row mixed corpus, two rounds interleaved): transformers' float32
 # 10,075-10,145 tokens/s, OpenVINO's float32 11,065-11,102, ONNX Runtime's dynamic int8 18,025-18,167 (1.8x),
 # OpenVINO's static int8 29,944-30,515 (3.0x).
+# The EPYC's whole runs since (run 23d, the bench's gated jobs): OpenVINO's int8 at 40,900-44,300 tokens/s on rows
+# of 32-125 tokens and 36,100-39,700 at 236-255, transformers' float32 at 7,600-8,150: 4.5-5.8x, so 5.0 (4.5 put a
+# first gated run's engine 10-15% over; a gate's 256-row sample costs its calls' overhead besides: GATE_BESIDES).
 # OpenVINO's float32 ran at 1.0x transformers' without VNNI, 2.0x on the EPYC, 1.1x with AMX: a gate's reference on
 # it is a model every first gate measures at its default, and the EPYC's first gate (run 23a) put its 256-row sample
 # at 1.7 s at 1.0x where it took ~0.9.
+# vLLM's float32 embedding ran at 0.44-0.47x transformers' on the AVX2 host and with AMX (its default, 3,200, is
+# theirs), and at 0.95-1.08x on the EPYC (trials of 6,450-8,051 tokens/s at 19-255 tokens a row, runs 7,381-8,056;
+# transformers' 7,018-7,812 in the same runs, bench/PREDICTION.md runs 22a-23d): 2.1x. At 1.0x every first job there
+# put vLLM's trial and engine at 2.3x their seconds.
 DEFAULT_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
-                   ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 4.5,
+                   ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 5.0,
                    ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0,
-                   ("openvino", None, "vnni"): 2.0, ("openvino", None, "amx"): 1.1}
+                   ("openvino", None, "vnni"): 2.0, ("openvino", None, "amx"): 1.1, ("vllm", None, "vnni"): 2.1}
 MEASURED_QUANTIZED = {("onnxruntime", "int8", "no-vnni"), ("openvino", "int8", "no-vnni"),
                       ("onnxruntime", "int8", "vnni"), ("openvino", "int8", "vnni"),
                       ("onnxruntime", "int8", "amx"), ("openvino", "int8", "amx")}
@@ -600,6 +609,52 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
     return Part(name="engine", seconds=seconds, source=source), tokens
 
 
+def measured_calls(spec: JobSpec, engine: str, trials) -> list[call_costs.CallCost]:
+    """The generation calls measured here for this family on this engine: its trials', its runs' and the
+    answers' probe's."""
+    return ([c for _, t in trials if t.engine == engine for c in t.calls]
+            + call_costs.read_calls(cache_dir(), rates_key(spec, engine)))
+
+
+def trial_calls(spec: JobSpec, engine: str, lengths: list[int], trials) -> tuple[float, str] | None:
+    """Generate: the seconds of an engine's trial after its start, as its calls' (trial_call_plan), at the call
+    costs measured here for this family on this engine (calls_part's fit: on a first run, the answers' probe's
+    calls), the answers at the trial's cap. The trial's tokens over a rate put SmolLM2's on transformers at
+    9.4 s where it took 13.0-15.7 (its calls are few rows each). None where the calls measured are too few."""
+    if spec.mode != "generate" or spec.generation.n > 1 or not lengths:
+        return None
+    measured = measured_calls(spec, engine, trials)
+    coefficients = call_costs.fit(measured)
+    if coefficients is None:
+        return None
+    cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)
+    answers, prompts, _ = job_answers(spec, trials)
+    calls, prefill = trial_call_plan(spec, engine, lengths)
+    concurrency, pads = spec.batching.max_batch_size, engine_pads(engine)
+    seconds, _ = call_costs.calls_seconds(coefficients, calls, pads,
+                                          call_costs.AnswerDraws([min(a, cap) for a in answers], prompts), concurrency)
+    if prefill:
+        seconds += sum(k * f for k, f in zip(coefficients, call_costs.call_shape(
+            pads, prefill, 1, len(prefill), concurrency).features()))
+    fitted = call_costs.describe_fit(coefficients)
+    return seconds, (f"{seconds:.1f} s for {len(calls) + bool(prefill)} calls at {fitted} (fit to {len(measured)} "
+                     f"calls measured here), answers at the trial's cap of {cap}")
+
+
+def trial_call_plan(spec: JobSpec, engine: str, lengths: list[int]) -> tuple[list[list[int]], list[int]]:
+    """A generation trial's calls as engine_choice.run_trial makes them, each as its prompts' lengths: the
+    warm-up call, the timed calls as the runner plans them, the call of another width (_other_width); and
+    apart, the prefill call's (one token each; none on an engine that does not pad)."""
+    warm = max(1, min(8, len(lengths) // 4))
+    timed = lengths[:-warm] or lengths
+    planned = plan_feed(list(timed), spec, engine)
+    pads = engine_pads(engine)
+    calls = [lengths[-warm:]] + [[timed[i] for i in call] for call in planned]
+    other = [kept for _, kept in other_width_call(list(timed), {len(c) for c in planned}, pads)]
+    prefill = sorted(timed)[-prefill_rows(spec):] if pads else []
+    return calls + ([other] if other else []), prefill
+
+
 def job_answers(spec: JobSpec, trials) -> tuple[list[int], list[int], str]:
     """Generate: the answers' lengths a job's rows will have (call_costs.answer_lengths) and their prompts'
     lengths (empty where not kept), from what generated this job's corpus and prompt here
@@ -622,8 +677,7 @@ def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed:
     (or n > 1), and the tokens/s curve answers."""
     if spec.mode != "generate" or spec.generation.n > 1:
         return None
-    measured = ([c for _, t in trials if t.engine == engine for c in t.calls]
-                + call_costs.read_calls(cache_dir(), rates_key(spec, engine)))
+    measured = measured_calls(spec, engine, trials)
     coefficients = call_costs.fit(measured)
     if coefficients is None:
         return None
@@ -994,9 +1048,10 @@ def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: l
             rate, rate_source = rate_at(curve, mean + min(out_per_row, TRIAL_MAX_TOKENS)), "measured"
         else:
             rate, rate_source = default_rate_here(engine, spec.mode), "default"
-        defaults += start_source.startswith("default") + (rate_source == "default")
-        each.append((start + tokens / rate, f"{engine} {start:.1f} s start ({start_source}) + {tokens:,.0f} tokens "
-                                            f"at {rate:,.0f} tokens/s ({rate_source})"))
+        by_calls = trial_calls(spec, engine, sample.trial_lengths or sample.lengths, trials)
+        work, what = by_calls or (tokens / rate, f"{tokens:,.0f} tokens at {rate:,.0f} tokens/s ({rate_source})")
+        defaults += start_source.startswith("default") + (by_calls is None and rate_source == "default")
+        each.append((start + work, f"{engine} {start:.1f} s start ({start_source}) + {what}"))
     closing = 0.0 if kept else default_exit(trial_order(able)[-1])
     besides, source = stored(parts, trials_key(spec), trial_overhead_name(kept), 1.0 + closing)
     seconds = sum(s for s, _ in each) + besides
