@@ -385,6 +385,29 @@ def test_first_run_trials_are_each_engine_from_its_measured_parts(monkeypatch):
     assert none.is_default and none.seconds > transformers + prediction.default_start("vllm", "embed")
 
 
+def test_auto_is_predicted_as_it_weighs_the_engines_after_this_runs_trials(monkeypatch):
+    """Where this run's trials run (a new length), the last engine they start stays open and auto weighs it
+    without its start, as engine_choice.choose_engine does; where the trials are kept (none run), every
+    engine at its trial's start."""
+    from tokenmill import prediction
+    from tokenmill.engine_choice import EngineTrial
+    from tokenmill.prediction import JobSample, predicted_engine
+    from tokenmill.spec import JobSpec
+
+    monkeypatch.setattr(prediction, "runnable_engines", lambda spec: (["transformers", "vllm"], []))
+    spec = JobSpec.model_validate({"input": "in", "mode": "embed", "model": {"name": "all-MiniLM-L6-v2"}})
+    sample = JobSample(rows=500, shards=1, lengths=[200] * 64, trial_lengths=[200] * 16)
+    trials = [(20.0, EngineTrial(engine="transformers", start_seconds=4.0, tokens_per_s=7000.0, rows=64,
+                                 tokens=1280, seconds=0.2)),
+              (20.0, EngineTrial(engine="vllm", start_seconds=30.0, tokens_per_s=6500.0, rows=64, tokens=1280,
+                                 seconds=0.2))]
+    monkeypatch.setattr(prediction, "trials_cached", lambda spec, mean=None: False)  # 200 tokens: never tried
+    assert predicted_engine(spec, sample, trials) == ("vllm", "auto, by the trials' starts and rates, vllm open "
+                                                              "from its trial")  # 100,000 tokens: 15.4 s vs 18.3
+    monkeypatch.setattr(prediction, "trials_cached", lambda spec, mean=None: True)
+    assert predicted_engine(spec, sample, trials) == ("transformers", "auto, by the trials' starts and rates")
+
+
 def test_the_samples_reading_follows_the_tokens_it_reads_from_runs_here():
     """The prediction reads the job's sample on the main thread: what that takes grows with the tokens read
     (long rows, a larger sample), so it is its own part, read off the runs here by the tokens each read."""
@@ -952,4 +975,6 @@ def test_an_engines_default_rate_follows_the_cpus_class_as_measured(monkeypatch)
         assert prediction.default_rate("openvino", "embed", "int8") == pytest.approx(int8 * base)
         assert vllm[0] * base <= prediction.default_rate("vllm", "embed") <= vllm[1] * base
         assert prediction.default_rate("transformers", "generate") == prediction.DEFAULT_TOKENS_PER_S[
-            ("transformers", "generate")]  # generation: one rate whatever the class
+            ("transformers", "generate")]  # transformers' generation: one rate whatever the class
+        vllm_generate = prediction.default_rate("vllm", "generate") / prediction.DEFAULT_TOKENS_PER_S[("vllm", "generate")]
+        assert vllm_generate == (1.4 if cpu == "vnni" else 1.0)  # vLLM's: 1.4x on the EPYC, as measured there

@@ -229,6 +229,13 @@ DEFAULT_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8",
                    ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 5.0,
                    ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0,
                    ("openvino", None, "vnni"): 2.0, ("openvino", None, "amx"): 1.1, ("vllm", None, "vnni"): 2.1}
+# Generation's by engine and CPU class, as a multiple of its default tokens/s (prompts' and answers' tokens). vLLM
+# generating SmolLM2 on the EPYC of VNNI's class (2026-11-28, imports' speed 0.85-0.95): whole runs at 746-845
+# tokens/s on 47-96 rows of 83-305 prompt tokens and 17-56 answer tokens (bench/PREDICTION.md runs 23-24's first
+# generation, and two user jobs on Python functions' source), where its 490 at speed 1 put them at 518-575: the
+# engine 1.4-1.6x over (64.1 s against 39.4 in one), its first job +13.6%. Its trials (12-16 rows a call) ran at
+# 613-682. 1.4.
+DEFAULT_GENERATE_SPEEDUP = {("vllm", "vnni"): 1.4}
 MEASURED_QUANTIZED = {("onnxruntime", "int8", "no-vnni"), ("openvino", "int8", "no-vnni"),
                       ("onnxruntime", "int8", "vnni"), ("openvino", "int8", "vnni"),
                       ("onnxruntime", "int8", "amx"), ("openvino", "int8", "amx")}
@@ -567,6 +574,8 @@ def default_rate(engine: str, mode: str, quantization: str | None = None) -> flo
     rate = DEFAULT_TOKENS_PER_S.get((engine, mode), DEFAULT_TOKENS_PER_S_BY_MODE[mode])
     if mode == "embed":
         rate *= DEFAULT_SPEEDUP.get((engine, quantization or None, int8_class()), 1.0)
+    else:
+        rate *= DEFAULT_GENERATE_SPEEDUP.get((engine, int8_class()), 1.0)
     return rate
 
 
@@ -795,10 +804,21 @@ def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str
         return (min(seconds, key=seconds.get),
                 f"default: auto's choice at the default starts and rates (the trial's last engine kept open), "
                 "before any trial")
-    # as auto weighs them (engine_choice.choose_engine): the trial's start, then the job at the trial's rate
-    seconds = {e: trial_start(spec, e, sample, trials) + engine_part(spec, e, sample, trials)[0].seconds
-               for e in able}  # the trials' figures alone: what choose_engine weighs
-    return min(seconds, key=seconds.get), "auto, by the trials' starts and rates"
+    # as auto weighs them (engine_choice.choose_engine): the trial's start, but none for an engine open (the
+    # trials' last, where this run's trials run: a new length), then the job at the trial's rate. Weighed with
+    # every start, a long corpus's first run was put on transformers where each run here chose vLLM, open
+    # from its trial (bench/PREDICTION.md runs 23a-24b: +1.7% to +7.8%, its close and transformers' start)
+    kept = trial_order(able)[-1] if trials_run(spec, sample, able) else None
+    seconds = {e: (0.0 if e == kept else trial_start(spec, e, sample, trials))
+               + engine_part(spec, e, sample, trials)[0].seconds for e in able}  # the trials' figures alone
+    return min(seconds, key=seconds.get), ("auto, by the trials' starts and rates" + (
+        f", {kept} open from its trial" if kept else ""))
+
+
+def trials_run(spec: JobSpec, sample: JobSample, able: list[str]) -> bool:
+    """Whether this run's auto runs engine trials (none kept here for this job's length)."""
+    return spec.model.engine == "auto" and len(able) > 1 and not trials_cached(
+        spec, statistics.fmean(sample.trial_lengths) if sample.trial_lengths else None)
 
 
 def default_start(engine: str, mode: str) -> float:
@@ -855,8 +875,7 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
         sample = sample.model_copy(update={"probe_kept": 0})
     fixed = fixed_key(spec, engine)
     able = runnable_engines(spec)[0]
-    trial_runs = spec.model.engine == "auto" and len(able) > 1 and not trials_cached(
-        spec, statistics.fmean(sample.trial_lengths) if sample.trial_lengths else None)
+    trial_runs = trials_run(spec, sample, able)
     idle = sample.shards == 0 and not trial_runs  # every shard finished: no engine starts (tasks/warm.py)
     if trial_runs and engine == trial_order(able)[-1]:
         start = Part(name="engine start", seconds=0.0, source=f"{engine}: kept open from its trial")
