@@ -542,9 +542,8 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
         # as a fresh process waits for it: the library's import too (vLLM's own figure leaves it out)
         start_seconds = (instance.start_seconds if was_open else 0.0) or time.perf_counter() - started
         compiled = bool(getattr(instance, "compiled", False))
-        warm = max(1, min(8, len(rows) // 4))
-        run_engine(instance, rows[-warm:], job)  # warm-up: first-call allocations, kernels; not timed again
-        rows = rows[:-warm] or rows
+        warm, rows = split_warm(rows)
+        run_engine(instance, warm, job)  # warm-up: first-call allocations, kernels; not timed again
         calls = plan_feed([len(r) for r in rows], job, engine, instance)
         tokens = sum(len(r) for r in rows)
         # transformers on CPU with streams left to auto: timed at its streams and at one, and kept at the
@@ -581,6 +580,13 @@ def run_trial(spec: JobSpec, engine: str, model_path: str, rows: list[list[int]]
                        tokens_per_s_by_streams=by_streams if len(candidates) > 1 else {},
                        wall_seconds=time.perf_counter() - started, corpus=output_identity(spec), calls=shapes,
                        output_lengths=answers, input_lengths=prompts, compiled=compiled)
+
+
+def split_warm(rows: list) -> tuple[list, list]:
+    """A trial's sample as run_trial runs it (and the prediction prices it): its last rows, a quarter of it
+    (1 to 8), in the warm-up call, untimed; the rest timed (all of it where that leaves none)."""
+    warm = max(1, min(8, len(rows) // 4))
+    return rows[-warm:], rows[:-warm] or rows
 
 
 PREFILL_ROWS = 2

@@ -62,6 +62,7 @@ from tokenmill.engine_choice import (
     rates_key,
     runnable_engines,
     sample_rows,
+    split_warm,
     trial_order,
     trials_cached,
 )
@@ -654,11 +655,10 @@ def trial_call_plan(spec: JobSpec, engine: str, lengths: list[int]) -> tuple[lis
     """A generation trial's calls as engine_choice.run_trial makes them, each as its prompts' lengths: the
     warm-up call, the timed calls as the runner plans them, the call of another width (_other_width); and
     apart, the prefill call's (one token each; none on an engine that does not pad)."""
-    warm = max(1, min(8, len(lengths) // 4))
-    timed = lengths[:-warm] or lengths
+    warm, timed = split_warm(lengths)
     planned = plan_feed(list(timed), spec, engine)
     pads = engine_pads(engine)
-    calls = [lengths[-warm:]] + [[timed[i] for i in call] for call in planned]
+    calls = [warm] + [[timed[i] for i in call] for call in planned]
     other = [kept for _, kept in other_width_call(list(timed), {len(c) for c in planned}, pads)]
     prefill = sorted(timed)[-prefill_rows(spec):] if pads else []
     return calls + ([other] if other else []), prefill
@@ -1116,11 +1116,10 @@ def trial_tokens(spec: JobSpec, lengths: list[int], engine: str) -> float:
     """The tokens an engine's trial computes (engine_choice.run_trial): a warm-up call, then the rest of the
     sample, twice for transformers embedding on a CPU (timed at two stream settings); generation's outputs
     at the trial's cap."""
-    warm = max(1, min(8, len(lengths) // 4))
+    warm, timed = split_warm(lengths)
     out = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS) if spec.mode == "generate" else 0
     passes = 2 if engine == "transformers" and spec.mode == "embed" and device_label().startswith("cpu") else 1
-    timed = lengths[:-warm] or lengths
-    return sum(n + out for n in lengths[-warm:]) + passes * sum(n + out for n in timed)
+    return sum(n + out for n in warm) + passes * sum(n + out for n in timed)
 
 
 def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict[str, Any], trials,
