@@ -27,6 +27,22 @@ def test_a_missing_input_is_a_clear_error_without_a_traceback(tmp_path):
     assert "Traceback" not in done.stderr.split("tokenmill: error:")[-1]
 
 
+def test_the_cli_turns_off_mlflows_telemetry_and_vllms_usage_report():
+    """Both are on by default and reach for the internet: MLflow's made a run's opening wait 0.4-0.5 s. Read as
+    the libraries read them, in a process whose environment names neither and is not a test or CI's (MLflow
+    turns its telemetry off there by itself)."""
+    quiet = ("MLFLOW_DISABLE_TELEMETRY", "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "DO_NOT_TRACK",
+             "PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS")
+    env = {k: v for k, v in os.environ.items() if k not in quiet}
+    probe = ("from tokenmill.cli import apply_cli_environment; apply_cli_environment(); "
+             "from mlflow.telemetry.utils import is_telemetry_disabled; "
+             "from vllm.usage.usage_lib import is_usage_stats_enabled; "
+             "print(is_telemetry_disabled(), is_usage_stats_enabled())")
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]
+
+
 def test_sample_corpus_is_realistic(tmp_path):
     done = tokenmill("sample-corpus", str(tmp_path / "corpus"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
