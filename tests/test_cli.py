@@ -28,9 +28,9 @@ def test_a_missing_input_is_a_clear_error_without_a_traceback(tmp_path):
 
 
 def test_the_cli_turns_off_mlflows_telemetry_and_vllms_usage_report():
-    """Both are on by default and reach for the internet: MLflow's made a run's opening wait 0.4-0.5 s. Read as
-    the libraries read them, in a process whose environment names neither and is not a test or CI's (MLflow
-    turns its telemetry off there by itself)."""
+    """Both are on by default and reach for the internet (a job's MLflow run opening was caught waiting on the
+    telemetry's config fetch). Read as the libraries read them, in a process whose environment names neither
+    and is not a test or CI's (MLflow turns its telemetry off there by itself)."""
     quiet = ("MLFLOW_DISABLE_TELEMETRY", "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "DO_NOT_TRACK",
              "PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS")
     env = {k: v for k, v in os.environ.items() if k not in quiet}

@@ -31,8 +31,8 @@ CLI_ENVIRONMENT = {
     # Prefect's ephemeral API can take longer to start on a small machine than its default allows
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     # a batch job has no business phoning home: Prefect's analytics, MLflow's usage telemetry (it fetches its
-    # config from the internet as a run is created, and the run's opening waited 0.4-0.5 s on it, CPU busy,
-    # where no network answers), vLLM's usage report from its engine process
+    # config from the internet as a run is created: a job's run opening was caught waiting on that fetch),
+    # vLLM's usage report from its engine process
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "VLLM_NO_USAGE_STATS": "1",
