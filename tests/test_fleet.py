@@ -316,10 +316,12 @@ def test_pool_dispatch_finishes_the_job_when_a_worker_is_killed_mid_run(fleet, d
 def test_a_straggler_gets_a_speculative_copy_and_nothing_is_written_twice(fleet, deployed, tmp_path):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    ids = _corpus(tmp_path / "in", files=1, rows=600)  # 4 shards, all on one worker run
+    # 8 shards, all on one worker run: the copy needs the run still on its shards a poll after the deadline. At 4
+    # shards and a 4 s deadline one CI run's shards all finished inside it (the test passed in isolation twice)
+    ids = _corpus(tmp_path / "in", files=1, rows=1200)
     with fleet.client() as client:
         parent = client.create_flow_run_from_deployment(
-            deployed.id, parameters={"spec": _job(tmp_path, "straggle", workers=1, straggler_seconds=4)})
+            deployed.id, parameters={"spec": _job(tmp_path, "straggle", workers=1, straggler_seconds=2)})
         final = _wait_for(client, parent.id, 420, fleet)
         assert final.state.is_completed(), f"{final.state}\n{fleet.logs()}"
         runs = _worker_runs(client, parent.id)
