@@ -171,6 +171,32 @@ def test_generation_with_left_padding_is_greedy_and_deterministic():
     assert first[1].output_tokens == 12 and first[1].finish_reason == "length"
 
 
+def test_on_a_cpu_every_linear_layer_runs_on_onednn_and_computes_what_torch_does():
+    """tokenmill.hf_engine.onednn_linears: the LM head tied to the embeddings included; logits and greedy answers
+    of a padded batch as the model torch loads computes them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = JobSpec(mode="generate", model=ModelSpec(name="SmolLM2-135M-Instruct", engine="transformers"),
+                   generation={"max_tokens": 16, "messages": [{"role": "user", "content": "{text}"}]})
+    model_path = resolve_model(spec.model_name)
+    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    engine = get_engine(model_path, spec)
+    linears = sum(type(m) is torch.nn.Linear for m in plain.modules())
+    assert linears > 200 and engine.onednn_layers == linears
+    assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())
+    texts = ["Name three colours.", "Say hello.", "Explain in two sentences why the sky is blue to a child."]
+    ids, mask = engine._padded(encode_rows(texts, spec, model_path).token_ids, "left")
+    with torch.inference_mode():
+        expected = plain(input_ids=ids, attention_mask=mask).logits
+        ours = engine.model(input_ids=ids, attention_mask=mask).logits
+        greedy = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                                pad_token_id=engine.pad_id)
+        assert torch.allclose(ours, expected, atol=1e-3, rtol=1e-4), (ours - expected).abs().max()
+        assert torch.equal(engine.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16,
+                                                 do_sample=False, pad_token_id=engine.pad_id), greedy)
+
+
 def test_a_generation_trial_measures_calls_of_two_widths_and_its_answers():
     """The trial's calls (tokenmill.call_costs) are what the next prediction of a generation job is fit to: its
     timed calls as the runner cuts them, one call of another width (the fit's per-step cost apart from its
