@@ -226,17 +226,23 @@ DEFAULT_GFLOPS = 228.0
 # theirs), and at 0.95-1.08x on the EPYC (trials of 6,450-8,051 tokens/s at 19-255 tokens a row, runs 7,381-8,056;
 # transformers' 7,018-7,812 in the same runs, bench/PREDICTION.md runs 22a-23d): 2.1x. At 1.0x every first job there
 # put vLLM's trial and engine at 2.3x their seconds.
+# The transformers engine's own float32 since its linear layers run on oneDNN, not MKL (tokenmill.hf_engine): on
+# the EPYC, whole runs of MiniLM at 11,660-12,540 tokens/s (bench/PREDICTION.md run 26a; the others' figures above
+# are from MKL's runs there, at 7,600-8,150), where its default put the machine's compute at 1/0.6 of the defaults
+# and OpenVINO's first gated run at 1.5 s of engine against 2.2: 1.5. Not measured on oneDNN with AMX or AVX2 alone.
 DEFAULT_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
                    ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 5.0,
                    ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0,
-                   ("openvino", None, "vnni"): 2.0, ("openvino", None, "amx"): 1.1, ("vllm", None, "vnni"): 2.1}
+                   ("openvino", None, "vnni"): 2.0, ("openvino", None, "amx"): 1.1, ("vllm", None, "vnni"): 2.1,
+                   ("transformers", None, "vnni"): 1.5}
 # Generation's by engine and CPU class, as a multiple of its default tokens/s (prompts' and answers' tokens). vLLM
 # generating SmolLM2 on the EPYC of VNNI's class (2026-11-28, imports' speed 0.85-0.95): whole runs at 746-845
 # tokens/s on 47-96 rows of 83-305 prompt tokens and 17-56 answer tokens (bench/PREDICTION.md runs 23-24's first
 # generation, and two user jobs on Python functions' source), where its 490 at speed 1 put them at 518-575: the
 # engine 1.4-1.6x over (64.1 s against 39.4 in one), its first job +13.6%. Its trials (12-16 rows a call) ran at
-# 613-682. 1.4.
-DEFAULT_GENERATE_SPEEDUP = {("vllm", "vnni"): 1.4}
+# 613-682. 1.4. The transformers engine on oneDNN there (run 26a): SmolLM2 at 333 tokens/s on 48 rows at a cap of
+# 32, 244-271 on 96 at 64 (on MKL: 156-184), 1/0.5-1/0.7 of its default where vLLM's ran at 1/0.9: 1.5.
+DEFAULT_GENERATE_SPEEDUP = {("vllm", "vnni"): 1.4, ("transformers", "vnni"): 1.5}
 MEASURED_QUANTIZED = {("onnxruntime", "int8", "no-vnni"), ("openvino", "int8", "no-vnni"),
                       ("onnxruntime", "int8", "vnni"), ("openvino", "int8", "vnni"),
                       ("onnxruntime", "int8", "amx"), ("openvino", "int8", "amx")}
