@@ -105,9 +105,10 @@ DEFAULT_IDLE_EXIT = {"vllm": 2.2, "transformers": 2.2, "onnxruntime": 0.8, "open
 # A run whose eval gate measured its models exits with them: the reference's engine and the candidates' as well as
 # the corpus's, whatever the corpus ran on. Stored apart from the corpus engine's exit: on the 2-core EPYC
 # (speed 0.82-0.89, runs 22b-23b) `make run`'s gate on OpenVINO exited in 0.8-1.4 s where gated, 0.5-0.7 s with its
-# verdict kept (OpenVINO's alone), which read the gate's 1.4 s (+11.1% on a 9-second job, 22b).
+# verdict kept (OpenVINO's alone), which read the gate's 1.4 s (+11.1% on a 9-second job, 22b). Runs 24a-26b there
+# (speed 0.84-0.98): 1.4, 1.3, 0.7, 0.9, 0.6 and 0.5 s, where 1.3 put each at 1.2-1.3 s: 1.0, their median at speed 1.
 GATE_EXIT = "exit, after a measuring gate"
-DEFAULT_GATE_EXIT = 1.3
+DEFAULT_GATE_EXIT = 1.0
 # The shard overhead's default is per 1,000 rows of ~256 tokens (length class 8), in proportion to the rows'
 # length: a host of speed ~2.2 measured 1.4-1.5 s per 1,000 rows of ~255 tokens, 0.25-0.3 of ~55-64, 0.0-0.1 of ~19.
 OVERHEAD_DEFAULT_LENGTH = 8
@@ -172,13 +173,14 @@ LENGTH_SAMPLE_ROWS = {"embed": 2048, "generate": 256}
 # vLLM's starts here are starts that load graphs an earlier start compiled (DEFAULT_VLLM_COMPILE: a first's).
 # ONNX Runtime and OpenVINO load an exported model in a session, no torch import: bench/PREDICTION.md's gated
 # jobs measured onnxruntime's start at 0.2 s and its exit at 1.3-1.4 s on a machine of speed ~2, and
-# `make run`'s log shows OpenVINO's start within 1.1 s of its sample's read there.
+# `make run`'s log shows OpenVINO's start within 1.1 s of its sample's read there; the EPYC's first gated runs
+# (bench/PREDICTION.md runs 24a-26b, speed 0.84-0.98) measured it at 0.2-0.3 s, where 0.5 read 0.45: 0.3.
 # vLLM's embedding start: 23-37 s on the quiet CPU, 58.7 and 62.2 s on a host of speed 2.22 and 2.74 (26 and 23 s
 # at speed 1): 35 s put the first job on a machine 15-30% over in every bench run since run 6. A 2-core Xeon
 # (speed 1.0-1.1, 2026-11-26, bench/VLLM_STARTS.md: python -m bench.vllm_starts) loading kept graphs:
 # 28.8-30.6 s for MiniLM, 70.7-77.2 s for SmolLM2 (the AMD hosts' 81 s at speed 1).
 DEFAULT_ENGINE_START = {("vllm", "embed"): 27.0, ("vllm", "generate"): 76.0, ("onnxruntime", "embed"): 0.1,
-                        ("openvino", "embed"): 0.5}
+                        ("openvino", "embed"): 0.3}
 DEFAULT_ENGINE_EXIT = {"vllm": 3.5, "transformers": 1.0, "onnxruntime": 0.7, "openvino": 0.7}
 # vLLM's first start of a model on a machine compiles it (torch.compile; the graphs kept in VLLM_CACHE_ROOT for every
 # later start): seconds at machine speed 1, beyond the start above (which loads kept graphs). The 2-core Xeon at
