@@ -9,6 +9,12 @@ cost about half as much in calls of 11 as in calls of 1 or 2 (an engine trial's 
 rows run to it. One tokens/s figure carried from the trial to the job missed by +47%, and from a cap of
 32 to a cap of 64 by -22% (bench/PREDICTION.md, 2026-11-25).
 
+A step's part per row is a line only where the engine's matrix products are: on MKL's sgemm a 2-core AMD
+EPYC decoded a step of 2 or 3 rows slower than one of 4 to 8, and the bench's 61 calls ran at 0.82x this
+fit with 1 row, 1.13x with 2 and 1.36x with 3 (a job of many calls of 1 to 3 rows missed by -10.7%, run
+25a). On oneDNN, which the transformers engine uses on a CPU since (tokenmill.hf_engine), 0.96-1.07x at
+every width (run 26b).
+
 So every generation call is stored with its shape, and a job's engine seconds are its calls' seconds:
 
     seconds = a x input slots + b x steps + c x output slots + d
