@@ -185,7 +185,7 @@ class TransformersEngine(Engine):
 
 def onednn_linears(torch, model) -> int:
     """Every torch.nn.Linear of a float32 model on the CPU swapped for one that runs on oneDNN (see the module
-    docstring), its weight held in oneDNN's layout; the number swapped. None where torch has no oneDNN here, or
+    docstring), its weight held in oneDNN's layout; the number swapped: 0 where torch has no oneDNN here, or
     the model is not on the CPU. A weight the model ties to another (an LM head to its embeddings) is copied."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch._C._nn, "mkldnn_linear"):
         return 0
