@@ -192,10 +192,15 @@ def model_flops(torch, model, lengths: list[int]) -> dict[str, float]:
     """Parameters, and FLOPs per token: the issue's yardstick 2·N, and the matmuls a token really needs
     (2 × the encoder's linear weights, plus attention's 4·L·d·s at each sequence's own length)."""
     config = model.config
-    total = sum(p.numel() for p in model.parameters())
+    # torch.nn.Linear, or on a CPU the transformers engine's oneDNN swap of one (tokenmill.hf_engine.onednn_linears),
+    # whose weight and bias are tensors, not parameters
+    linears = [(name, m) for name, m in model.named_modules()
+               if isinstance(getattr(m, "in_features", None), int) and hasattr(m, "weight")]
+    swapped = [m for _, m in linears if not isinstance(m, torch.nn.Linear)]
+    total = sum(p.numel() for p in model.parameters()) + sum(
+        m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in swapped)
     embeddings = sum(p.numel() for p in model.embeddings.parameters()) if hasattr(model, "embeddings") else 0
-    linear = sum(m.weight.numel() for name, m in model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and "pooler" not in name)
+    linear = sum(m.weight.numel() for name, m in linears if "pooler" not in name)
     squares = sum(s * s for s in lengths) / max(sum(lengths), 1)  # E[s] over tokens: attention grows with length
     attention = 4 * config.num_hidden_layers * config.hidden_size * squares
     return {"parameters": total, "embedding_parameters": embeddings, "encoder_linear_parameters": linear,
