@@ -60,7 +60,7 @@ class TransformersEngine(Engine):
         log.info("Starting transformers %s on %s in %s", model_path, self.device, self.dtype)
         self.model = loader.from_pretrained(model_path, dtype=self.dtype, **spec.model.engine_kwargs)
         self.model.to(self.device).eval()
-        self.onednn_layers = onednn_linears(torch, self.model) if self.dtype == torch.float32 else 0
+        self.onednn_layers = onednn_linears(torch, self.model)  # float32 on a CPU only: 0 on a GPU or in bf16
         if self.onednn_layers:
             log.info("transformers: %d linear layers on oneDNN", self.onednn_layers)
         self.pooling = read_pooling(model_path) if spec.mode == "embed" else None
