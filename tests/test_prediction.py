@@ -224,23 +224,43 @@ def test_engine_seconds_follow_the_rate_curve_over_length():
     assert rate_at(points, 64) == pytest.approx(2000.0)  # log-log between: halfway in log length
 
 
-def test_rows_of_jsonl_shards_are_estimated_and_empty_ones_count_none(tmp_path):
-    """Each JSONL shard's rows from its bytes, at the first non-empty shard's bytes per row; a corpus whose
-    JSONL files are all empty estimates 0 rows for them instead of failing the flow before it starts."""
-    from tokenmill.planning import rows_per_shard
+def test_rows_of_jsonl_shards_are_counted_and_empty_ones_count_none(tmp_path):
+    """Each JSONL shard's rows are its non-blank lines, counted (bad lines too: they are rows, rejected), in
+    files whose rows differ in length; a corpus whose JSONL files are all empty counts 0 rows for them instead
+    of failing the flow before it starts."""
+    from tokenmill.planning import counted_rows, rows_per_shard
     from tokenmill.shards import discover_shards_for
     from tokenmill.spec import JobSpec
 
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"id": f"a{i}", "text": "x" * 20}) + "\n"
                                               for i in range(10)))
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"id": f"c{i}", "text": "y" * 400}) + "\n\n"
+                                              for i in range(7)) + "not json")
     (tmp_path / "none.jsonl").write_bytes(b"")
     write_parquet(tmp_path / "b.parquet", ["b0", "b1"], ["first", "second"])
     spec = JobSpec(input=str(tmp_path))
     shards = sorted(discover_shards_for(spec), key=lambda s: s.uri)
-    assert rows_per_shard(spec, shards) == [10, 2, 0]
+    assert counted_rows(spec, shards) == ([10, 2, 8, 0], True)
     (tmp_path / "a.jsonl").unlink()
+    (tmp_path / "c.jsonl").unlink()
     shards = sorted(discover_shards_for(spec), key=lambda s: s.uri)
     assert rows_per_shard(spec, shards) == [2, 0]
+
+
+def test_rows_beyond_the_bytes_counted_are_estimated_at_the_counted_shards_bytes_a_row(tmp_path, monkeypatch):
+    """Past ROWS_COUNTED_BYTES, a JSONL shard's rows are its bytes at the counted shards' bytes a row, and
+    the corpus's estimate says its rows are estimated."""
+    from tokenmill import planning
+    from tokenmill.shards import discover_shards_for
+    from tokenmill.spec import JobSpec
+
+    for name in "pqrs":
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"id": f"{name}{i}", "text": "z" * 50}) + "\n"
+                                                        for i in range(20)))
+    spec = JobSpec(input=str(tmp_path))
+    shards = sorted(discover_shards_for(spec), key=lambda s: s.uri)
+    monkeypatch.setattr(planning, "ROWS_COUNTED_BYTES", 2 * shards[0].byte_end)
+    assert planning.counted_rows(spec, shards) == ([20, 20, 20, 20], False)
 
 
 def test_identical_inputs_count_once_in_the_engines_rows(tmp_path, monkeypatch):

@@ -16,13 +16,13 @@ from tokenmill.models import resolve_model
 from tokenmill.prompts import prompt_inputs, read_job_rows
 from tokenmill.row_cache import cached_token_share
 from tokenmill.sampling import corpus_sample
-from tokenmill.shards import discover_shards_for, read_shard
+from tokenmill.shards import discover_shards_for, read_shard_bytes
 from tokenmill.spec import JobSpec
 
 
 class CorpusEstimate(BaseModel):
     rows: int
-    rows_exact: bool  # Parquet row counts come from file metadata; JSONL rows are estimated from bytes
+    rows_exact: bool  # Parquet's rows from file metadata, JSONL's counted (rows_per_shard); else from bytes
     sample_rows: int
     tokens_per_row_mean: float
     tokens_per_row_p95: float
@@ -53,7 +53,7 @@ class CorpusEstimate(BaseModel):
 
 
 def estimate_corpus(spec: JobSpec, sample_rows: int = 512) -> CorpusEstimate:
-    """Rows from the shards (Parquet metadata, or JSONL bytes / bytes per row), tokens from a
+    """Rows from the shards (Parquet metadata, JSONL lines counted: counted_rows), tokens from a
     sample tokenized with the job's model; the interval is the sample mean's 95% interval."""
     shards = discover_shards_for(spec)
     texts, _ = corpus_sample(spec, sample_rows)
@@ -63,8 +63,7 @@ def estimate_corpus(spec: JobSpec, sample_rows: int = 512) -> CorpusEstimate:
     sd = statistics.stdev(lengths) if len(lengths) > 1 else 0.0
     p95 = lengths[int(0.95 * (len(lengths) - 1))]
 
-    exact = all(s.expected_rows is not None for s in shards)
-    shard_rows = rows_per_shard(spec, shards)
+    shard_rows, exact = counted_rows(spec, shards)
     rows = sum(shard_rows)
     half_width = 1.96 * sd / math.sqrt(len(lengths)) if len(lengths) > 1 else 0.0
     share, note = row_cache_share(spec, shards, shard_rows, sample_rows)
@@ -119,26 +118,42 @@ def row_cache_share(spec: JobSpec, shards, shard_rows: list[int], sample_rows: i
 
 
 def estimate_rows(spec: JobSpec, shards) -> int:
-    """Rows in these shards: exact for Parquet (file metadata), from bytes for JSONL."""
+    """Rows in these shards: exact for Parquet (file metadata) and for JSONL counted here, else from bytes."""
     return sum(rows_per_shard(spec, shards))
 
 
+# JSONL bytes whose lines are counted (each non-blank line is a row, kept or rejected) before a plan or a run's
+# prediction: in shards spread over the corpus, the rest estimated at their bytes a row. Bytes a row from one
+# shard put a 6,000-row JSONL corpus of two files at 5,544 rows (its second file's rows are longer), the
+# prediction's tokens 9% low. Counting lines reads at ~1 GB/s locally: less than the JSON parse of one 64 MiB
+# shard that the estimate from the first shard took.
+ROWS_COUNTED_BYTES = 256 * 1024 * 1024
+
+
 def rows_per_shard(spec: JobSpec, shards) -> list[int]:
-    if all(s.expected_rows is not None for s in shards):
-        return [s.expected_rows or 0 for s in shards]
-    bytes_per_row = _jsonl_bytes_per_row(spec, shards)
-    return [s.expected_rows if s.expected_rows is not None
-            else round((s.byte_end - s.byte_start) / bytes_per_row) for s in shards]
+    return counted_rows(spec, shards)[0]
 
 
-def _jsonl_bytes_per_row(spec: JobSpec, shards) -> float:
-    """Bytes per row of the first JSONL shard that has bytes; with none (every JSONL file empty), any
-    positive figure: each of those shards then counts 0 rows."""
-    first = next((s for s in shards if s.expected_rows is None and s.byte_end > s.byte_start), None)
-    if first is None:
-        return 1.0
-    table, bad = read_shard(first, [spec.id_column, spec.text_column], spec.storage_options)
-    return (first.byte_end - first.byte_start) / max(table.num_rows + len(bad), 1)
+def counted_rows(spec: JobSpec, shards) -> tuple[list[int], bool]:
+    """Each shard's rows, and whether all are exact: Parquet's from its metadata; a JSONL shard's lines
+    counted, up to ROWS_COUNTED_BYTES over shards in an order spread over the corpus (by a hash of their
+    id), the rest at the counted shards' bytes a row. A corpus whose JSONL files are all empty counts 0."""
+    rows: dict[int, int] = {i: s.expected_rows for i, s in enumerate(shards) if s.expected_rows is not None}
+    jsonl = sorted((i for i, s in enumerate(shards) if s.expected_rows is None),
+                   key=lambda i: hashlib.sha256(shards[i].shard_id.encode()).hexdigest())
+    counted_bytes = counted = 0
+    estimated = []
+    for i in jsonl:
+        size = shards[i].byte_end - shards[i].byte_start
+        if counted_bytes and counted_bytes + size > ROWS_COUNTED_BYTES:
+            estimated.append(i)
+            continue
+        data = read_shard_bytes(shards[i], spec.storage_options)
+        rows[i] = sum(1 for line in data.split(b"\n") if line.strip())
+        counted_bytes, counted = counted_bytes + size, counted + rows[i]
+    for i in estimated:
+        rows[i] = round((shards[i].byte_end - shards[i].byte_start) * counted / max(counted_bytes, 1))
+    return [rows[i] for i in range(len(shards))], not estimated
 
 
 def make_plan(spec: JobSpec, estimate: CorpusEstimate, tokens_per_s_per_gpu: float, window_hours: float,
