@@ -182,6 +182,11 @@ LENGTH_SAMPLE_ROWS = {"embed": 2048, "generate": 256}
 DEFAULT_ENGINE_START = {("vllm", "embed"): 27.0, ("vllm", "generate"): 76.0, ("onnxruntime", "embed"): 0.1,
                         ("openvino", "embed"): 0.3}
 DEFAULT_ENGINE_EXIT = {"vllm": 3.5, "transformers": 1.0, "onnxruntime": 0.7, "openvino": 0.7}
+# Closing an engine within the trials (the last one tried, which lost): vLLM's client waits out its engine core's
+# shutdown (its log: "[shutdown] MPClient: start timeout=2.0s", engine manager stopped 2 s later), not a process's
+# whole exit. Two users' first runs on the EPYC (session 27, speeds 0.81 and 1.02) measured the trials' seconds
+# besides the engines, vLLM's close among them, at 2.7 s both, where 1 s + its exit's 3.5 put them at 3.7 and 4.6.
+DEFAULT_TRIAL_CLOSE = {"vllm": 1.7}
 # vLLM's first start of a model on a machine compiles it (torch.compile; the graphs kept in VLLM_CACHE_ROOT for every
 # later start): seconds at machine speed 1, beyond the start above (which loads kept graphs). The 2-core Xeon at
 # speed 1.0-1.1, each start a fresh process, vLLM's and torch's caches emptied before the first (three sequences,
@@ -231,12 +236,15 @@ DEFAULT_GFLOPS = 228.0
 # The transformers engine's own float32 since its linear layers run on oneDNN, not MKL (tokenmill.hf_engine): on
 # the EPYC, whole runs of MiniLM at 11,660-12,540 tokens/s (bench/PREDICTION.md run 26a; the others' figures above
 # are from MKL's runs there, at 7,600-8,150), where its default put the machine's compute at 1/0.6 of the defaults
-# and OpenVINO's first gated run at 1.5 s of engine against 2.2: 1.5. Not measured on oneDNN with AMX or AVX2 alone.
+# and OpenVINO's first gated run at 1.5 s of engine against 2.2: 1.5. Two users' first runs there (session 27, 6,000
+# and 20,000 short rows, auto choosing transformers) ran at 12,829 and 12,323 tokens/s with the machine's compute at
+# 0.88 and 0.95, 1.61x and 1.67x, where 1.5 put the second's engine at 38.5 s against 34.4: 1.6. Not measured on
+# oneDNN with AMX or AVX2 alone.
 DEFAULT_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
                    ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 5.0,
                    ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0,
                    ("openvino", None, "vnni"): 2.0, ("openvino", None, "amx"): 1.1, ("vllm", None, "vnni"): 2.1,
-                   ("transformers", None, "vnni"): 1.5}
+                   ("transformers", None, "vnni"): 1.6}
 # Generation's by engine and CPU class, as a multiple of its default tokens/s (prompts' and answers' tokens). vLLM
 # generating SmolLM2 on the EPYC of VNNI's class (2026-11-28, imports' speed 0.85-0.95): whole runs at 746-845
 # tokens/s on 47-96 rows of 83-305 prompt tokens and 17-56 answer tokens (bench/PREDICTION.md runs 23-24's first
@@ -1079,7 +1087,8 @@ def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: l
         work, what = by_calls or (tokens / rate, f"{tokens:,.0f} tokens at {rate:,.0f} tokens/s ({rate_source})")
         defaults += start_source.startswith("default") + (by_calls is None and rate_source == "default")
         each.append((start + work, f"{engine} {start:.1f} s start ({start_source}) + {what}"))
-    closing = 0.0 if kept else default_exit(trial_order(able)[-1])
+    last = trial_order(able)[-1]
+    closing = 0.0 if kept else DEFAULT_TRIAL_CLOSE.get(last, default_exit(last))
     besides, source = stored(parts, trials_key(spec), trial_overhead_name(kept), 1.0 + closing)
     seconds = sum(s for s, _ in each) + besides
     text = "; ".join(t for _, t in each) + f"; besides the engines {besides:.1f} s ({source})"
