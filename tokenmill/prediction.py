@@ -192,7 +192,9 @@ DEFAULT_TRIAL_CLOSE = {"vllm": 1.7}
 # speed 1.0-1.1, each start a fresh process, vLLM's and torch's caches emptied before the first (three sequences,
 # bench/VLLM_STARTS.md the last): MiniLM 46.5-49.8 s compiling against 28.8-30.6 s loading, SmolLM2 93.2-98.0 s
 # against 70.7-77.2 s (tokenmill.vllm_engine saw each first start add a compiled graph, the later ones none).
-DEFAULT_VLLM_COMPILE = {"embed": 18.0, "generate": 21.0}
+# The 2-core EPYC's first MiniLM starts (session 27: the bench's first job and three users' first runs, each in the
+# engine trials), over the machine's speed: 37.9, 42.5, 44.0 and 45.3 s, where 27 + 18 put one 18% over: 16.5.
+DEFAULT_VLLM_COMPILE = {"embed": 16.5, "generate": 21.0}
 COMPILING_START = "engine start, compiling"  # a run's vLLM start that compiled: see first_compile
 # vLLM's CPU backend embeds MiniLM at 0.44-0.47 of transformers' rate at every row length: 2,126-2,620 tokens/s
 # against 4,794-5,588 on rows of 15, 52, 101 and 223 tokens (2-core AMD EPYC, AVX2, 2026-11-26, one engine each,
@@ -238,13 +240,13 @@ DEFAULT_GFLOPS = 228.0
 # are from MKL's runs there, at 7,600-8,150), where its default put the machine's compute at 1/0.6 of the defaults
 # and OpenVINO's first gated run at 1.5 s of engine against 2.2: 1.5. Two users' first runs there (session 27, 6,000
 # and 20,000 short rows, auto choosing transformers) ran at 12,829 and 12,323 tokens/s with the machine's compute at
-# 0.88 and 0.95, 1.61x and 1.67x, where 1.5 put the second's engine at 38.5 s against 34.4: 1.6. Not measured on
-# oneDNN with AMX or AVX2 alone.
+# 0.88 and 0.95, 1.61x and 1.67x, where 1.5 put the second's engine at 38.5 s against 34.4; its rerun and the bench's
+# 8,000 short rows (run 27a) at 1.69x and 1.66x: 1.65. Not measured on oneDNN with AMX or AVX2 alone.
 DEFAULT_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
                    ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 5.0,
                    ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0,
                    ("openvino", None, "vnni"): 2.0, ("openvino", None, "amx"): 1.1, ("vllm", None, "vnni"): 2.1,
-                   ("transformers", None, "vnni"): 1.6}
+                   ("transformers", None, "vnni"): 1.65}
 # Generation's by engine and CPU class, as a multiple of its default tokens/s (prompts' and answers' tokens). vLLM
 # generating SmolLM2 on the EPYC of VNNI's class (2026-11-28, imports' speed 0.85-0.95): whole runs at 746-845
 # tokens/s on 47-96 rows of 83-305 prompt tokens and 17-56 answer tokens (bench/PREDICTION.md runs 23-24's first
