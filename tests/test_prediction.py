@@ -247,6 +247,26 @@ def test_rows_of_jsonl_shards_are_counted_and_empty_ones_count_none(tmp_path):
     assert rows_per_shard(spec, shards) == [2, 0]
 
 
+def test_a_jsonl_shards_lines_are_read_once_a_process_until_its_file_changes(tmp_path, monkeypatch):
+    """A run counts its corpus for its prediction, its record and its engine's choice: a shard's bytes are read
+    for the first; a file rewritten (another size or version: another fingerprint) is counted again."""
+    from tokenmill import planning
+    from tokenmill.shards import discover_shards_for
+    from tokenmill.spec import JobSpec
+
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"id": f"a{i}", "text": "x"}) + "\n" for i in range(5)))
+    spec = JobSpec(input=str(tmp_path))
+    reads = []
+    read = planning.read_shard_bytes
+    monkeypatch.setattr(planning, "read_shard_bytes", lambda shard, options: reads.append(shard) or read(shard, options))
+    assert planning.rows_per_shard(spec, discover_shards_for(spec)) == [5]
+    assert planning.rows_per_shard(spec, discover_shards_for(spec)) == [5]
+    assert len(reads) == 1
+    path.write_text("".join(json.dumps({"id": f"a{i}", "text": "x"}) + "\n" for i in range(7)))
+    assert planning.rows_per_shard(spec, discover_shards_for(spec)) == [7] and len(reads) == 2
+
+
 def test_rows_beyond_the_bytes_counted_are_estimated_at_the_counted_shards_bytes_a_row(tmp_path, monkeypatch):
     """Past ROWS_COUNTED_BYTES, a JSONL shard's rows are its bytes at the counted shards' bytes a row, and
     the corpus's estimate says its rows are estimated."""

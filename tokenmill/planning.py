@@ -148,12 +148,26 @@ def counted_rows(spec: JobSpec, shards) -> tuple[list[int], bool]:
         if counted_bytes and counted_bytes + size > ROWS_COUNTED_BYTES:
             estimated.append(i)
             continue
-        data = read_shard_bytes(shards[i], spec.storage_options)
-        rows[i] = sum(1 for line in data.split(b"\n") if line.strip())
+        rows[i] = _jsonl_lines(shards[i], spec.storage_options)
         counted_bytes, counted = counted_bytes + size, counted + rows[i]
     for i in estimated:
         rows[i] = round((shards[i].byte_end - shards[i].byte_start) * counted / max(counted_bytes, 1))
     return [rows[i] for i in range(len(shards))], not estimated
+
+
+_lines_counted: dict[str, int] = {}  # by shard fingerprint: a run predicts, records and chooses on the same shards
+
+
+def _jsonl_lines(shard, storage_options: dict[str, Any] | None) -> int:
+    """A JSONL shard's non-blank lines, read once a process for a shard of this fingerprint (its file, the file's
+    size and version, its byte range): `tokenmill run` counts a corpus for its prediction, its record and its
+    engine's choice, `tokenmill plan` for its estimate and its prediction."""
+    if shard.fingerprint and shard.fingerprint in _lines_counted:
+        return _lines_counted[shard.fingerprint]
+    lines = sum(1 for line in read_shard_bytes(shard, storage_options).split(b"\n") if line.strip())
+    if shard.fingerprint:
+        _lines_counted[shard.fingerprint] = lines
+    return lines
 
 
 def make_plan(spec: JobSpec, estimate: CorpusEstimate, tokens_per_s_per_gpu: float, window_hours: float,
