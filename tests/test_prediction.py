@@ -110,7 +110,7 @@ def test_a_prediction_never_reads_another_jobs_figures(job_a, monkeypatch, tmp_p
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(job_a["cache"]))
     stored = json.loads((job_a["cache"] / "run-parts.json").read_text())
-    # every figure A's run stored; not the machine's speed (a command's imports, by device: it scales B's
+    # every figure A's run stored; not the machine's speed (a command's interpreter probe, by device: it scales B's
     # defaults as it scales any job's here, and B's parts say so)
     # (as stored, to the ms: a part read from one equals it exactly, where a default scaled by the machine's
     # speed can round to one, as 1 s x 0.9092 did to A's exit of 0.909 s)
@@ -538,45 +538,42 @@ def test_a_main_thread_with_no_engine_starting_beside_it_is_read_apart():
 
 def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_path, monkeypatch):
     """A default is a quiet reference machine's figure: scaled by this machine's speed (the first command's
-    imports' user CPU seconds here against the reference's), seconds up and tokens/s down; once stored, every command reads
-    the same figure, until runs measured their imports here: then their median. A library call that never measured it leaves the defaults as stated."""
+    interpreter probe here against the reference's), seconds up and tokens/s down; once stored, every command reads
+    the same figure, until runs probed here: then their median. A library call that never measured it leaves the defaults as stated."""
     from tokenmill import prediction
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
     assert prediction.machine_speed() == (1.0, "")
     assert prediction.stored({}, "cpu-test|vllm|embed", "exit", 3.5)[0] == 3.5
-    prediction.remember_parts({"cpu-test|machine": {prediction.IMPORTS_CPU: 2 * prediction.DEFAULT_IMPORTS_CPU}})
+    prediction.remember_parts({"cpu-test|machine": {prediction.INTERPRETER: 2 * prediction.DEFAULT_INTERPRETER_MS}})
     assert prediction.machine_speed()[0] == pytest.approx(2.0)
     seconds, source = prediction.stored({}, "cpu-test|vllm|embed", "exit", 3.5)
     assert seconds == pytest.approx(7.0) and "x 2.00 (this machine's speed" in source
-    # tokens/s are the compute's, not the imports': a CPU's probe (test below), the imports' figure on a GPU
+    # tokens/s are the compute's, not the interpreter's: a CPU's probe (test below), the interpreter's figure on a GPU
     monkeypatch.setattr(prediction, "device_label", lambda: "gpu-test")
-    prediction.remember_parts({"gpu-test|machine": {prediction.IMPORTS_CPU: 2 * prediction.DEFAULT_IMPORTS_CPU}})
+    prediction.remember_parts({"gpu-test|machine": {prediction.INTERPRETER: 2 * prediction.DEFAULT_INTERPRETER_MS}})
     assert prediction.default_rate_here("vllm", "embed") == pytest.approx(prediction.default_rate("vllm", "embed") / 2)
     assert prediction.compute_speed("embed")[1].startswith(" / 2.00 (this machine's speed")
     monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
     measured = {"cpu-test|vllm|embed": {"exit": [1.0]}}
     assert prediction.stored(measured, "cpu-test|vllm|embed", "exit", 3.5)[0] == 1.0  # a measured part: as measured
-    # each run adds its command's imports (any job): their median, not one process's figure
-    for imports in (2.0, 2.4, 9.0):  # 9.0: one loaded run
-        prediction.remember_parts({"cpu-test|machine": {prediction.IMPORTS_CPU: imports}})
-    prediction.remember_parts({"other-device|machine": {prediction.IMPORTS_CPU: 20.0}})  # another device's
+    # each run adds its command's probe (any job): their median, not one process's figure
+    for probed in (20.0, 24.0, 90.0):  # 90: one loaded run
+        prediction.remember_parts({"cpu-test|machine": {prediction.INTERPRETER: probed}})
+    prediction.remember_parts({"other-device|machine": {prediction.INTERPRETER: 200.0}})  # another device's
     factor, why = prediction.machine_speed()
-    assert factor == pytest.approx(2.5 / prediction.DEFAULT_IMPORTS_CPU)  # of 2.6, 2.0, 2.4, 9.0
-    assert "the median of 4 commands' imports here, 2.50 s of CPU" in why
+    assert factor == pytest.approx(23.4 / prediction.DEFAULT_INTERPRETER_MS)  # of 22.8, 20, 24, 90
+    assert "the median of 4 commands' interpreter probes here, 23.4 ms" in why
 
 
-def test_a_process_start_is_read_on_the_clock_its_ticks_count_on_and_its_imports_cpu_is_kept():
+def test_a_process_start_is_read_on_the_clock_its_ticks_count_on():
     """A run's imports and wall count from its process's start: read against the boot clock, it lies between the
     parent's spawn and the child's first line (/proc/stat's whole-second boot time put it up to 1 s off, the
-    same for every process of a boot). The imports' user CPU seconds, the machine's speed, are the
-    command's mark's: the interpreter's work, which a loaded disk does not lengthen."""
+    same for every process of a boot)."""
     import subprocess
     import sys
     import time as clock
-
-    from tokenmill import prediction, timeline
 
     code = "import time; from tokenmill import timeline; print(time.time() - timeline.process_started())"
     for _ in range(3):
@@ -585,27 +582,44 @@ def test_a_process_start_is_read_on_the_clock_its_ticks_count_on_and_its_imports
                                            check=True).stdout)
         bracket = clock.time() - spawned
         assert -0.02 <= since_start <= bracket + 0.02  # a clock tick (10 ms) either side
-    kept = dict(timeline._marks), dict(timeline._user_cpu), timeline._first_job  # this process's, put back after
-    timeline.reset()
+
+
+def test_a_command_probes_the_interpreter_once_a_process_and_nothing_else_does(monkeypatch):
+    """The machine's speed is a command's: the first job of a process the CLI started probes the interpreter in a
+    fresh one (tokenmill.device.interpreter_ms, a real run here), once a process however often it is asked; a
+    later job of the process, or a library call that no command started, probes nothing, and a probe that
+    cannot run leaves the defaults as stated."""
+    from tokenmill import device, prediction, timeline
+
+    probed = device.interpreter_ms()
+    assert 0 < probed < 10_000  # milliseconds of a fresh interpreter's rounds, parsed from its output
+    calls = []
+    monkeypatch.setattr(prediction, "interpreter_ms", lambda: calls.append(1) or 12.345)
+    monkeypatch.setattr(prediction, "_interpreter_probed", None)
+    kept = dict(timeline._marks), timeline._first_job  # this process's, put back after
     try:
-        sum(i * i for i in range(200_000))
+        timeline.reset()
+        timeline._first_job = True
+        assert prediction.command_interpreter_ms() is None  # no command marked: a library call
         timeline.mark("command_ready")
-        cpu = timeline.user_cpu("command_ready")
-        assert cpu is not None and 0 < cpu <= clock.process_time() + 0.01
-        timeline.mark("command_ready")  # the first mark of a name wins, its CPU figure too
-        assert timeline.user_cpu("command_ready") == cpu
-        assert prediction.command_imports_cpu() is None  # a later job of a process: not a command's imports
+        assert prediction.command_interpreter_ms() == 12.35 and prediction.command_interpreter_ms() == 12.35
+        assert len(calls) == 1  # once a process
+        timeline._first_job = False
+        assert prediction.command_interpreter_ms() is None  # a later job of the process: not the command's
+        timeline._first_job = True
+        monkeypatch.setattr(prediction, "_interpreter_probed", None)
+        monkeypatch.setattr(prediction, "interpreter_ms", lambda: 1 / 0)
+        assert prediction.command_interpreter_ms() is None
     finally:
         timeline.reset()
         timeline._marks.update(kept[0])
-        timeline._user_cpu.update(kept[1])
-        timeline._first_job = kept[2]
+        timeline._first_job = kept[1]
 
 
-def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_imports(tmp_path, monkeypatch):
+def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_interpreter(tmp_path, monkeypatch):
     """Before any run here, a CPU's default embedding tokens/s are divided by the defaults' machine's matrix-product rate
     over this one's (one core's probe times the cores), probed by the first command and stored, so every later
-    command divides alike; a machine whose imports are slow but whose cores are fast computes fast. Once a
+    command divides alike; a machine whose interpreter is slow but whose cores are fast computes fast. Once a
     run measured an engine against its default, that measurement rules."""
     from tokenmill import device, prediction
 
@@ -614,13 +628,13 @@ def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_impo
     monkeypatch.setattr(prediction, "usable_cores", lambda: 2)
     probes = []
     monkeypatch.setattr(prediction, "core_gflops", lambda: probes.append(1) or prediction.DEFAULT_GFLOPS)
-    prediction.remember_parts({"cpu-test|machine": {prediction.IMPORTS_CPU: 3 * prediction.DEFAULT_IMPORTS_CPU}})
+    prediction.remember_parts({"cpu-test|machine": {prediction.INTERPRETER: 3 * prediction.DEFAULT_INTERPRETER_MS}})
     factor, why = prediction.compute_speed("embed")
     assert factor == pytest.approx(0.5) and "x 2 cores" in why and why.startswith(" / 0.50")
     assert prediction.default_rate_here("transformers", "embed") == pytest.approx(2 * prediction.default_rate("transformers", "embed"))
     assert prediction.compute_speed("embed")[0] == pytest.approx(0.5) and len(probes) == 1  # stored: probed once
-    assert prediction.machine_speed()[0] == pytest.approx(3.0)  # seconds still scale by the imports
-    # generation (small products a step: the interpreter's pace) by the imports' figure, dividing
+    assert prediction.machine_speed()[0] == pytest.approx(3.0)  # seconds still scale by the interpreter's figure
+    # generation (small products a step: the interpreter's pace) by the interpreter's figure, dividing
     factor, why = prediction.compute_speed("generate")
     assert factor == pytest.approx(3.0) and why.startswith(" / 3.00 (this machine's speed")
     prediction.remember_parts({"cpu-test|machine": {f"{prediction.COMPUTE}@embed": 1.25}})

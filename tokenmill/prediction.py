@@ -46,7 +46,7 @@ from pydantic import BaseModel
 
 from tokenmill import call_costs, timeline
 from tokenmill.answer_probe import probe_answers
-from tokenmill.device import core_gflops, device_label, usable_cores
+from tokenmill.device import core_gflops, device_label, interpreter_ms, usable_cores
 from tokenmill.engine_choice import (
     TRIAL_MAX_TOKENS,
     TRIAL_ROWS,
@@ -271,10 +271,12 @@ GATE_VERDICT_KEPT_SECONDS = 0.1
 GATE_MEASURED, GATE_KEPT, GATE_BESIDES = "gate", "gate, verdict kept", "gate besides the models' samples"
 COMPUTE = "default rate over measured"  # per mode, under machine_key(): see compute_speed
 PROBE = "float32 GFLOP/s a core"  # under machine_key(): see probe_speed
-IMPORTS_CPU = "python imports, user CPU seconds"  # under machine_key(): see machine_speed
-# The imports' user CPU seconds on the defaults' machine (a quiet 2-core Xeon, its page cache warm: 1.24-1.35 s;
-# 1.49 s the first command after the cache was dropped, whose wall was 2.24 s against 1.33-1.42).
-DEFAULT_IMPORTS_CPU = 1.3
+INTERPRETER = "interpreter probe, ms"  # under machine_key(): see machine_speed
+# The interpreter probe's milliseconds (tokenmill.device.interpreter_ms) on the defaults' machine. Set so that the
+# 2-core EPYC of bench/PREDICTION.md's runs 22-27, on which the defaults were last measured, reads the speed it
+# read by the figure before this one (its commands' imports' user CPU seconds, median 1.18 s against the quiet
+# Xeon's 1.3: 0.91), where the probe reads 10.2-10.7 ms.
+DEFAULT_INTERPRETER_MS = 11.4
 # A shard overhead is scaled from a measured length class at most this many classes (x2 each) away: part of
 # it is per row, not per token, and a factor of 4 is as far as the runs here bear it out.
 MAX_LENGTH_CLASSES_SCALED = 2
@@ -418,35 +420,35 @@ def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials,
 
 
 def machine_speed() -> tuple[float, str]:
-    """How much slower than the machine the defaults were measured on this one is, by a part every command
-    measures before it predicts: its Python imports' user CPU seconds (process start to the command's start),
-    against the defaults' machine's (DEFAULT_IMPORTS_CPU, the same work). CPU seconds, not the imports' wall:
-    a machine's first command reads its files from disk, and its wall (2.2 s against 1.3-1.4 warm) scaled
-    every default 1.6x where that first run's parts ran 1.1-1.2x their warm seconds, as its CPU seconds did
-    (1.49 against 1.24-1.35). The first command that predicts on this device stores its figure under
-    machine_key(), and every run adds its own (measured_parts): the median of the last KEEP_LAST. Only a run
-    changes it, as it changes every measured part, so plan, calibrate and run of one job scale their defaults
-    alike. A median, because one process's imports moved 3.1-4.9 s within an hour on a shared host. It
-    scales every default: seconds up, tokens/s down (two 2-core CPUs of one type here took 1.8-1.9 s and
-    3.3-4.8 s for the imports, and their engine starts and rates differed by about as much).
+    """How much slower than the machine the defaults were measured on this one is, by a probe of the
+    interpreter's pace (tokenmill.device.interpreter_ms: a module's body compiled, run and called, the fastest
+    of 7 rounds) against the defaults' machine's (DEFAULT_INTERPRETER_MS). The first command that predicts on
+    this device stores its figure under machine_key(), and every run adds its own (measured_parts): the
+    median of the last KEEP_LAST. Only a run changes it, as it changes every measured part, so plan,
+    calibrate and run of one job scale their defaults alike. It scales every default: seconds up, tokens/s
+    down (two 2-core CPUs of one type here took 1.8-1.9 s and 3.3-4.8 s for a command's imports, and their
+    engine starts and rates differed by about as much). Not the imports' CPU seconds any more: on one 2-core
+    EPYC they read 1.33-1.35 s in three rounds of user jobs and 1.06-1.08 s in two later ones (a process's
+    CPU counts its thread pools' spinning, which a busy neighbour cuts), scaling every default of a first
+    run by 20% while vLLM's first starts there took 37.7-43.4 s in all of them (bench/PREDICTION.md run 27).
     1.0 before any command measured it (a library call does not start at a command)."""
-    factor, why = speed_by_imports()
+    factor, why = speed_by_interpreter()
     return factor, f" x {factor:.2f} ({why})" if why else ""
 
 
-def speed_by_imports() -> tuple[float, str]:
+def speed_by_interpreter() -> tuple[float, str]:
     """machine_speed's factor, and what it is from ("" where nothing measured it)."""
-    measured = machine_figure(IMPORTS_CPU, command_imports_cpu)
+    measured = machine_figure(INTERPRETER, command_interpreter_ms)
     if not measured:
         return 1.0, ""
     if len(measured) > 1:
-        cpu = statistics.median(measured)
-        why = f"the median of {len(measured)} commands' imports here, {cpu:.2f} s of CPU"
+        ms = statistics.median(measured)
+        why = f"the median of {len(measured)} commands' interpreter probes here, {ms:.1f} ms"
     else:
-        cpu = measured[0]
-        why = f"a command's imports took {cpu:.2f} s of CPU here"
-    return (min(max(cpu / DEFAULT_IMPORTS_CPU, 0.5), 4.0),
-            f"this machine's speed: {why}, against {DEFAULT_IMPORTS_CPU:g} s")
+        ms = measured[0]
+        why = f"the interpreter probe took {ms:.1f} ms here"
+    return (min(max(ms / DEFAULT_INTERPRETER_MS, 0.5), 4.0),
+            f"this machine's speed: {why}, against {DEFAULT_INTERPRETER_MS:g} ms")
 
 
 def machine_figure(name: str, measure: Callable[[], float | None]) -> list[float]:
@@ -468,13 +470,21 @@ def machine_key() -> str:
     return f"{device_label()}|machine"
 
 
-def command_imports_cpu() -> float | None:
-    """This process's imports' user CPU seconds: its start to its command's start (before any job file is
-    read), as stored."""
-    cpu = timeline.user_cpu("command_ready")
-    if not timeline.measures_process() or cpu is None:
+def command_interpreter_ms() -> float | None:
+    """The interpreter probe's milliseconds, measured once a process, where the process is a command's (it
+    marked command_ready: tokenmill.cli) and this is its first job; None elsewhere or where the probe fails."""
+    if not timeline.measures_process() or "command_ready" not in timeline.marks():
         return None
-    return round(cpu, 3)
+    global _interpreter_probed
+    if _interpreter_probed is None:
+        try:
+            _interpreter_probed = round(interpreter_ms(), 2)  # as stored: later commands read what this one read
+        except Exception:  # noqa: BLE001 - a probe that cannot run leaves the defaults as stated
+            _interpreter_probed = 0.0
+    return _interpreter_probed or None
+
+
+_interpreter_probed: float | None = None
 
 
 def default_start_here(engine: str, mode: str) -> float:
@@ -506,18 +516,18 @@ def compute_speed(mode: str) -> tuple[float, str]:
     """How much slower than their defaults engines compute on this machine: the median, over the last runs
     here of this mode (any engine, any job), of an engine's default rate over the rate the run measured.
     Before any run, embedding on a CPU: probe_speed, its cores' matrix products against the defaults'
-    machine's. Not the imports' figure (machine_speed), which reads the interpreter and the disk, not the
-    vector units: a 2-core AMD host whose imports took 2.2x the defaults' ran MiniLM at 1/1.5-1/1.6 of their
-    rates, and a 2-core Xeon with AVX-512 whose imports took 1.07x ran it at 1/0.67-1/0.69 of them.
-    Generation (a few rows a step, small products: the interpreter's and the memory's pace, not the vector
-    units') by the imports' figure: that Xeon generated at 1/1.44-1/1.50 of the defaults, the AMD host at
-    1/2.6, against imports of 0.97x and 1.9x (the defaults since set from both)."""
+    machine's. Not the interpreter's figure (machine_speed), which does not read the vector units: a 2-core
+    AMD host whose imports took 2.2x the defaults' ran MiniLM at 1/1.5-1/1.6 of their rates, and a 2-core
+    Xeon with AVX-512 whose imports took 1.07x ran it at 1/0.67-1/0.69 of them. Generation (a few rows a
+    step, small products: the interpreter's and the memory's pace, not the vector units') by the
+    interpreter's figure: that Xeon generated at 1/1.44-1/1.50 of the defaults, the AMD host at 1/2.6,
+    against imports of 0.97x and 1.9x (the defaults since set from both)."""
     measured = read_parts().get(machine_key(), {}).get(f"{COMPUTE}@{mode}") or []
     if not measured:
         probed = probe_speed() if mode == "embed" else None
         if probed is not None:
             return probed
-        factor, why = speed_by_imports()
+        factor, why = speed_by_interpreter()
         return factor, f" / {factor:.2f} ({why})" if why else ""
     factor = min(max(statistics.median(measured), 0.25), 8.0)
     return factor, (f" / {factor:.2f} (this machine's compute: engines ran at 1/{factor:.2f} of their default rates, "
@@ -546,7 +556,7 @@ def probe_speed() -> tuple[float, str] | None:
 def _probe_core() -> float | None:
     try:
         return round(core_gflops(), 1)  # as stored: the command that probed reads what later ones read
-    except Exception:  # noqa: BLE001 - no BLAS to probe: the imports' figure stands in (compute_speed)
+    except Exception:  # noqa: BLE001 - no BLAS to probe: the interpreter's figure stands in (compute_speed)
         return None
 
 
@@ -1483,8 +1493,8 @@ def _process_parts(marks: dict[str, float], trials_ran: bool, elsewhere: float) 
 
 def _machine_parts(spec: JobSpec, marks: dict[str, float]) -> dict[str, dict[str, float]]:
     """The parts any job's run measures for the next on this machine: the sample's reading (beside the tokens it
-    read), MLflow's store opened or created, the API's start that created its database, the command's imports'
-    CPU seconds (machine_speed)."""
+    read), MLflow's store opened or created, the API's start that created its database, the interpreter probe's
+    milliseconds (machine_speed)."""
     out: dict[str, dict[str, float]] = {}
     reading, made = _reading(marks), made_for(spec)
     if reading and made is not None and made.read_tokens:  # the tokens its prediction's sample read
@@ -1495,9 +1505,9 @@ def _machine_parts(spec: JobSpec, marks: dict[str, float]) -> dict[str, dict[str
         machine[name if name == TRACKING_CREATED else f"{name}@{spec.mode}"] = seconds
     if "api_store_created" in marks:  # a first start here, apart from the API's later ones
         machine[API_CREATED] = _span(marks, "api_start", "api_ready")
-    imports = command_imports_cpu()
-    if imports is not None:
-        machine[IMPORTS_CPU] = imports
+    probed = command_interpreter_ms()
+    if probed is not None:
+        machine[INTERPRETER] = probed
     if machine:
         out[machine_key()] = machine
     return out

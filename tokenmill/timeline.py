@@ -5,18 +5,15 @@ interpreter and imports, the orchestrator's API, the engine's start, the first s
 and tokenize. On a short job the fixed part decides the result, so it is measured and
 recorded per run (metrics `fixed/*`), and reported apart from the steady tokens/s.
 
-Marks are wall-clock times (time.time()) kept per process; the first mark of a name wins. Each mark
-also keeps the process's user CPU seconds at that moment (user_cpu).
+Marks are wall-clock times (time.time()) kept per process; the first mark of a name wins.
 """
 
 from __future__ import annotations
 
 import os
-import resource
 import time
 
 _marks: dict[str, float] = {}
-_user_cpu: dict[str, float] = {}
 _MODULE_IMPORTED = time.time()
 _first_job = True  # later jobs of a long-lived process (a worker, a notebook) start at their flow
 
@@ -24,13 +21,6 @@ _first_job = True  # later jobs of a long-lived process (a worker, a notebook) s
 def mark(name: str) -> None:
     if name not in _marks:
         _marks[name] = time.time()
-        _user_cpu[name] = resource.getrusage(resource.RUSAGE_SELF).ru_utime
-
-
-def user_cpu(name: str) -> float | None:
-    """The process's user CPU seconds (all its threads) when `name` was marked: the interpreter's work, not
-    the disk's (a page fault's wait is no CPU second, its kernel work a system one)."""
-    return _user_cpu.get(name)
 
 
 def marks() -> dict[str, float]:
@@ -42,7 +32,6 @@ def forget(*names: str) -> None:
     and the corpus's engine (when it starts one) is the job's engine start."""
     for name in names:
         _marks.pop(name, None)
-        _user_cpu.pop(name, None)
 
 
 def begin_job() -> None:
@@ -52,7 +41,6 @@ def begin_job() -> None:
     global _first_job
     if not (_first_job and "flow_called" in _marks):
         _marks.clear()
-        _user_cpu.clear()
         _first_job = False
 
 
@@ -60,7 +48,6 @@ def reset() -> None:
     """Forget every mark: the next job of this process measures its own, from its flow's start."""
     global _first_job
     _marks.clear()
-    _user_cpu.clear()
     _first_job = False
 
 
