@@ -273,10 +273,11 @@ COMPUTE = "default rate over measured"  # per mode, under machine_key(): see com
 PROBE = "float32 GFLOP/s a core"  # under machine_key(): see probe_speed
 INTERPRETER = "interpreter probe, ms"  # under machine_key(): see machine_speed
 # The interpreter probe's milliseconds (tokenmill.device.interpreter_ms) on the defaults' machine. Set so that the
-# 2-core EPYC of bench/PREDICTION.md's runs 22-27, on which the defaults were last measured, reads the speed it
-# read by the figure before this one (its commands' imports' user CPU seconds, median 1.18 s against the quiet
-# Xeon's 1.3: 0.91), where the probe reads 10.2-10.7 ms.
-DEFAULT_INTERPRETER_MS = 11.4
+# 2-core EPYC of bench/PREDICTION.md's runs 22-27, on which the defaults were last measured, reads the speed its
+# first runs read by the figure before this one (the first command's imports' user CPU seconds: 1.21-1.27 s in
+# runs 26c-27b against the quiet Xeon's 1.3, 0.93-0.97), where the probe reads 9.8-10.8 ms (median 10.2; run
+# 28a, with 11.4 here, put both first jobs 9-11% under: their fixed seconds at 0.89).
+DEFAULT_INTERPRETER_MS = 10.7
 # A shard overhead is scaled from a measured length class at most this many classes (x2 each) away: part of
 # it is per row, not per token, and a factor of 4 is as far as the runs here bear it out.
 MAX_LENGTH_CLASSES_SCALED = 2
