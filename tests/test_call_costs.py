@@ -47,6 +47,30 @@ def test_a_step_reads_every_prompt_slot_again_and_the_fit_prices_it():
     assert planned == pytest.approx(sum(c.seconds for c in run), rel=0.05)
 
 
+def test_a_steps_rows_are_priced_by_their_count_or_by_their_slots_as_the_held_out_error_prefers():
+    """The same commit messages a round later (session 28): the probe's and trial's 17 calls, then the run's 9.
+    With a row's step forced in beside the prefill call, the fit left out the input slots' steps and put the
+    run's calls of more slots than any measured one (1,285-1,582 against 1,104) at 0.85-0.88x; the slots'
+    steps in place of a row's step put them within 5%. (The run's 13-row call of 2,132 slots ran at twice
+    its neighbours' pace a step, 7.07 s: no fit of these calls foresees it, so it is left out here.)"""
+    def calls(shapes):
+        return [CallCost(rows=r, input_slots=slots, steps=steps, output_slots=r * steps, seconds=s)
+                for r, slots, steps, s in shapes]
+    measured_first = calls([(2, 408, 32, 1.52), (1, 181, 25, 0.97), (1, 144, 32, 1.13), (3, 387, 32, 1.61),
+                            (3, 336, 32, 1.50), (2, 200, 32, 1.35), (12, 1104, 32, 2.42), (2, 408, 1, 0.33),
+                            (2, 470, 40, 1.86), (2, 408, 40, 1.75), (1, 181, 25, 0.92), (2, 308, 40, 1.70),
+                            (4, 524, 40, 2.08), (3, 336, 40, 1.90), (2, 200, 36, 1.62), (2, 470, 1, 0.39),
+                            (1, 286, 40, 1.49)])
+    run = calls([(5, 1285, 40, 3.04), (7, 1582, 40, 3.35), (8, 1568, 40, 3.39), (5, 730, 40, 2.19),
+                 (13, 1703, 40, 3.71), (10, 1160, 40, 2.70), (14, 1456, 40, 3.34), (4, 368, 40, 1.77)])
+    coefficients = fit(measured_first)
+    assert coefficients[4] > 0 and coefficients[0] > 0  # the input slots' steps, and a prompt's prefill
+    for call in run[:3]:  # the most slots
+        assert sum(k * f for k, f in zip(coefficients, call.features())) == pytest.approx(call.seconds, rel=0.05)
+    planned = sum(k * f for c in run for k, f in zip(coefficients, c.features()))
+    assert planned == pytest.approx(sum(c.seconds for c in run), rel=0.05)
+
+
 def test_answers_cut_at_the_trials_cap_run_to_the_jobs_and_a_wider_call_waits_for_its_longest():
     assert answer_lengths([7, 20, 32, 32], trial_cap=32, job_cap=64) == [7, 20, 64, 64]
     assert answer_lengths([7, 20, 32], trial_cap=32, job_cap=16) == [7, 16, 16]
