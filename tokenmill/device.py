@@ -119,7 +119,6 @@ def core_gflops() -> float:
     return 2 * rows * width * hidden / max(best, 1e-9) / 1e9
 
 
-
 # The interpreter probe (interpreter_ms), a program for a fresh interpreter: a module's body of 60 functions and
 # 60 classes, compiled, run and each called, 5 times a round; the fastest of 7 rounds on the thread's CPU clock,
 # the collector held off.
