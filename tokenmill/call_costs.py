@@ -262,8 +262,21 @@ def fit(calls: Sequence[CallCost]) -> list[float] | None:
     forcing a row's step in kept a later round of those commit messages' fit from the slots' steps, and
     put the run's calls of 1,285-1,582 slots, more than any measured call's 1,104, at 0.85-0.88x (-15%
     in all); the slots' steps without a row's step put them at 1.01-1.04x (-8%, of which one call's 4.6 s
-    against 7.1 measured, twice its neighbours' pace). None with fewer than MIN_CALLS calls or all of one
-    width, where the per-step and per-row costs cannot be told apart."""
+    against 7.1 measured, twice its neighbours' pace). Calls that stalled (STALLED) are left out and the rest
+    fit again. None with fewer than MIN_CALLS calls or all of one width, where the per-step and per-row costs
+    cannot be told apart."""
+    return fit_stalled(calls)[0]
+
+
+def fit_stalled(calls: Sequence[CallCost]) -> tuple[list[float] | None, int]:
+    """fit(calls), and how many of them it left out as stalled."""
+    coefficients = _fit(calls)
+    kept = _unstalled(calls, coefficients) if coefficients else calls
+    refit = _fit(kept) if len(kept) < len(calls) else None
+    return (refit, len(calls) - len(kept)) if refit else (coefficients, 0)
+
+
+def _fit(calls: Sequence[CallCost]) -> list[float] | None:
     if len(calls) < MIN_CALLS or len({c.rows for c in calls}) < 2:
         return None
     a = np.array([c.features() for c in calls])
@@ -294,6 +307,34 @@ def _best_fit(a: np.ndarray, y: np.ndarray, needed: list[set[int]]) -> list[floa
             if best is None or held_out < best[0]:
                 best = (held_out, [float(v) for v in full])
     return best[1] if best else None
+
+
+# A call that ran this many times what the calls' least-absolute-error fit puts it at stalled: a neighbour held
+# the CPU (2 cores) for part of it. Least squares follows a stalled call, the more so the wider it is: a trial's
+# 12-row call that ran 143.6 ms a step, where the same call ran 56.7 a round before, put a job of 60 explanations
+# at 28.0 s of engine against 14.5 measured (bench/PREDICTION.md, run 28's user rounds). The least absolute error
+# follows the calls' majority: a user's commit messages' 26 calls of two rounds (tests/test_call_costs.py) ran at
+# 0.90-1.17x of it but one, 13 rows at 176.7 ms a step where its neighbours ran 84-93, at 1.65x; a docstring
+# probe's calls of 2 to 7 rows on MKL (whose sgemm ran 2 or 3 rows slow) at up to 1.43x.
+STALLED = 1.5
+
+
+def _unstalled(calls: Sequence[CallCost], coefficients: list[float]) -> list[CallCost]:
+    """`calls` but those that stalled (STALLED), by the least absolute error fit of the terms `coefficients` hold
+    (non-negative; linear programming). A call of one step (a prefill call) stays: it alone prices a prompt."""
+    from scipy.optimize import linprog  # a dependency of transformers' and vLLM's; imported only to fit
+
+    columns = [i for i, k in enumerate(coefficients) if k > 0]
+    a = np.array([[c.features()[i] for i in columns] for c in calls])
+    y = np.array([c.seconds for c in calls])
+    n, k = a.shape
+    # minimise the sum of u + v where a x + u - v = y, with x, u, v >= 0
+    solved = linprog(np.concatenate([np.zeros(k), np.ones(2 * n)]), A_eq=np.hstack([a, np.eye(n), -np.eye(n)]),
+                     b_eq=y, bounds=(0, None), method="highs")
+    if not solved.success:
+        return list(calls)
+    median = a @ solved.x[:k]
+    return [c for c, m in zip(calls, median) if c.steps <= 1 or m <= 0 or c.seconds <= STALLED * m]
 
 
 def describe_fit(coefficients: list[float]) -> str:

@@ -663,7 +663,7 @@ def trial_calls(spec: JobSpec, engine: str, lengths: list[int], trials) -> tuple
     if spec.mode != "generate" or spec.generation.n > 1 or not lengths:
         return None
     measured = measured_calls(spec, engine, trials)
-    coefficients = call_costs.fit(measured)
+    coefficients, stalled = call_costs.fit_stalled(measured)
     if coefficients is None:
         return None
     cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)
@@ -676,8 +676,15 @@ def trial_calls(spec: JobSpec, engine: str, lengths: list[int], trials) -> tuple
         seconds += sum(k * f for k, f in zip(coefficients, call_costs.call_shape(
             pads, prefill, 1, len(prefill), concurrency).features()))
     fitted = call_costs.describe_fit(coefficients)
-    return seconds, (f"{seconds:.1f} s for {len(calls) + bool(prefill)} calls at {fitted} (fit to {len(measured)} "
-                     f"calls measured here), answers at the trial's cap of {cap}")
+    return seconds, (f"{seconds:.1f} s for {len(calls) + bool(prefill)} calls at {fitted} "
+                     f"({fit_to(measured, stalled)}), answers at the trial's cap of {cap}")
+
+
+def fit_to(measured: list, stalled: int) -> str:
+    """What a call fit was fit to (call_costs.fit_stalled)."""
+    return f"fit to {len(measured) - stalled} calls measured here" + (
+        f", {stalled} left out: {'it' if stalled == 1 else 'they'} ran over {call_costs.STALLED}x the others' fit, "
+        f"stalled" if stalled else "")
 
 
 def trial_call_plan(spec: JobSpec, engine: str, lengths: list[int]) -> tuple[list[list[int]], list[int]]:
@@ -716,7 +723,7 @@ def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed:
     if spec.mode != "generate" or spec.generation.n > 1:
         return None
     measured = measured_calls(spec, engine, trials)
-    coefficients = call_costs.fit(measured)
+    coefficients, stalled = call_costs.fit_stalled(measured)
     if coefficients is None:
         return None
     answers, prompts, answered = job_answers(spec, trials)
@@ -726,7 +733,7 @@ def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed:
         rows, sample.shards, engine_pads(engine), answers, spec.batching.max_batch_size, prompts)
     return Part(name="engine", seconds=seconds, source=(
         f"{calls:,} calls of {steps:.0f} steps on average, at {call_costs.describe_fit(coefficients)} ({engine}: "
-        f"fit to {len(measured)} calls measured here); {answered}; {tokens / seconds if seconds else 0:,.0f} "
+        f"{fit_to(measured, stalled)}); {answered}; {tokens / seconds if seconds else 0:,.0f} "
         f"tokens/s{repeats}"))
 
 
