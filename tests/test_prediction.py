@@ -618,7 +618,7 @@ def test_a_command_probes_the_interpreter_once_a_process_and_nothing_else_does(m
         timeline._first_job = kept[1]
 
 
-def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_interpreter(tmp_path, monkeypatch):
+def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_interpreter_nor_int8_runs(tmp_path, monkeypatch):
     """Before any run here, a CPU's default embedding tokens/s are divided by the defaults' machine's matrix-product rate
     over this one's (one core's probe times the cores), probed by the first command and stored, so every later
     command divides alike; a machine whose interpreter is slow but whose cores are fast computes fast. Once a
@@ -639,8 +639,14 @@ def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_inte
     # generation (small products a step: the interpreter's pace) by the interpreter's figure, dividing
     factor, why = prediction.compute_speed("generate")
     assert factor == pytest.approx(3.0) and why.startswith(" / 3.00 (this machine's speed")
+    # an int8 run (make run's gate) measures its quantization's speedup as much as the machine: not float32's rates
+    prediction.remember_parts({"cpu-test|machine": {prediction.compute_key("embed", "int8"): 0.3}})
+    assert prediction.compute_speed("embed")[0] == pytest.approx(0.5)
+    assert prediction.compute_speed("embed", "int8")[0] == pytest.approx(0.3)
     prediction.remember_parts({"cpu-test|machine": {f"{prediction.COMPUTE}@embed": 1.25}})
     assert prediction.compute_speed("embed")[0] == pytest.approx(1.25)  # a run's measurement rules its mode
+    assert prediction.compute_speed("embed", "int8")[0] == pytest.approx(0.3)
+    assert prediction.compute_speed("embed", "int4")[0] == pytest.approx(1.25)  # none measured: float32's
     assert prediction.compute_speed("generate")[0] == pytest.approx(3.0)
     gflops = device.core_gflops()  # the real probe: one core's float32 products, a positive finite rate
     assert 0.1 < gflops < 10_000

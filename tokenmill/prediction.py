@@ -493,7 +493,7 @@ def default_start_here(engine: str, mode: str) -> float:
 
 
 def default_rate_here(engine: str, mode: str, quantization: str | None = None) -> float:
-    return default_rate(engine, mode, quantization) / compute_speed(mode)[0]
+    return default_rate(engine, mode, quantization) / compute_speed(mode, quantization)[0]
 
 
 def int8_class() -> str:
@@ -513,9 +513,21 @@ def measured_default(engine: str, mode: str, quantization: str | None) -> bool:
     return (engine, quantization, int8_class()) in MEASURED_QUANTIZED
 
 
-def compute_speed(mode: str) -> tuple[float, str]:
+def compute_key(mode: str, quantization: str | None) -> str:
+    """Where runs of this mode store their default rate over the rate they measured: a quantized model's apart.
+    A quantized default is a float32 one times a guess at this CPU's int8 speedup (DEFAULT_SPEEDUP), which a run
+    measures as much as the machine: on a 2-core Xeon with AMX, `make run`'s OpenVINO int8 ran at 1/0.58 of its
+    default and the float32 transformers engine at 1/0.7-1/0.8 of its own, and a user's first corpus after
+    `make run`, divided by the int8 run's figure, was put at 31.8 s of engine against 41.8 (bench/PREDICTION.md,
+    run 29's user rounds)."""
+    return f"{COMPUTE}@{mode}" + (f"@{quantization}" if quantization else "")
+
+
+def compute_speed(mode: str, quantization: str | None = None) -> tuple[float, str]:
     """How much slower than their defaults engines compute on this machine: the median, over the last runs
-    here of this mode (any engine, any job), of an engine's default rate over the rate the run measured.
+    here of this mode (any engine, any job), of an engine's default rate over the rate the run measured; for a
+    quantized model, over runs of that quantization, else float32's (compute_key), never a float32 one by
+    quantized runs.
     Before any run, embedding on a CPU: probe_speed, its cores' matrix products against the defaults'
     machine's. Not the interpreter's figure (machine_speed), which does not read the vector units: a 2-core
     AMD host whose imports took 2.2x the defaults' ran MiniLM at 1/1.5-1/1.6 of their rates, and a 2-core
@@ -523,7 +535,8 @@ def compute_speed(mode: str) -> tuple[float, str]:
     step, small products: the interpreter's and the memory's pace, not the vector units') by the
     interpreter's figure: that Xeon generated at 1/1.44-1/1.50 of the defaults, the AMD host at 1/2.6,
     against imports of 0.97x and 1.9x (the defaults since set from both)."""
-    measured = read_parts().get(machine_key(), {}).get(f"{COMPUTE}@{mode}") or []
+    stored = read_parts().get(machine_key(), {})
+    measured = (quantization and stored.get(compute_key(mode, quantization))) or stored.get(compute_key(mode, None))
     if not measured:
         probed = probe_speed() if mode == "embed" else None
         if probed is not None:
@@ -638,7 +651,7 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
         rate = default_rate_here(engine, spec.mode, quantization)
         return Part(name="engine", seconds=tokens / rate, source=f"default: {engine} never measured here for "
                     f"this job, {rate:,.0f} tokens/s ({default_rate(engine, spec.mode, quantization):,.0f}"
-                    f"{f' ({quantization})' if quantization else ''}{compute_speed(spec.mode)[1]})"
+                    f"{f' ({quantization})' if quantization else ''}{compute_speed(spec.mode, quantization)[1]})"
                     f"{answered}{repeats}"), tokens
     curve = [(mean + out_per_row, rate) for mean, rate, _ in points]
     seconds = row_share * sum((n + out_per_row) / rate_at(curve, n + out_per_row) for n in lengths)
@@ -1580,7 +1593,7 @@ def _add_rate_parts(out: dict[str, dict[str, float]], spec: JobSpec, engine: str
         out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
                                         f"mean_tokens@{length_class(mean_in)}": mean_in}
     if measured_default(engine, spec.mode, spec.model.quantization):
-        out.setdefault(machine_key(), {})[f"{COMPUTE}@{spec.mode}"] = (
+        out.setdefault(machine_key(), {})[compute_key(spec.mode, spec.model.quantization)] = (
             default_rate(engine, spec.mode, spec.model.quantization) / (engine_tokens / engine_seconds))
 
 
