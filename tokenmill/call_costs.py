@@ -322,7 +322,7 @@ STALLED = 1.5
 def _unstalled(calls: Sequence[CallCost], coefficients: list[float]) -> list[CallCost]:
     """`calls` but those that stalled (STALLED), by the least absolute error fit of the terms `coefficients` hold
     (non-negative; linear programming). A call of one step (a prefill call) stays: it alone prices a prompt."""
-    from scipy.optimize import linprog  # a dependency of transformers' and vLLM's; imported only to fit
+    from scipy.optimize import linprog  # imported where a fit runs, not by every command
 
     columns = [i for i, k in enumerate(coefficients) if k > 0]
     a = np.array([[c.features()[i] for i in columns] for c in calls])
