@@ -241,12 +241,17 @@ DEFAULT_GFLOPS = 228.0
 # and OpenVINO's first gated run at 1.5 s of engine against 2.2: 1.5. Two users' first runs there (session 27, 6,000
 # and 20,000 short rows, auto choosing transformers) ran at 12,829 and 12,323 tokens/s with the machine's compute at
 # 0.88 and 0.95, 1.61x and 1.67x, where 1.5 put the second's engine at 38.5 s against 34.4; its rerun and the bench's
-# 8,000 short rows (run 27a) at 1.69x and 1.66x: 1.65. Not measured on oneDNN with AMX or AVX2 alone.
+# 8,000 short rows (run 27a) at 1.69x and 1.66x: 1.65. On oneDNN with AMX (a 2-core Xeon, 2026-11-29, runs 29a-b,
+# its cores probing 171-181 GFLOP/s a core: 1/0.63-1/0.67 of the defaults' machine): whole runs at 8,640-9,550
+# tokens/s, 0.78-0.91x its default at that compute (MKL's there, session 26: 10,075-10,145), where vLLM's trials ran
+# at 4,250-5,550 by length, about its default's: transformers' runs put the machine at 1/0.8, vLLM's at 1/0.6-1/0.7:
+# 0.85. OpenVINO's int8 there: 33,000-37,000 tokens/s in whole gated runs and `make run` (its 3.0 put a first gate's
+# engine at 3.1 s against 2.4), 3.1-3.5x at the probe's compute: 3.3. Not measured on oneDNN with AVX2 alone.
 DEFAULT_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
                    ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 5.0,
-                   ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.0,
+                   ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 3.3,
                    ("openvino", None, "vnni"): 2.0, ("openvino", None, "amx"): 1.1, ("vllm", None, "vnni"): 2.1,
-                   ("transformers", None, "vnni"): 1.65}
+                   ("transformers", None, "vnni"): 1.65, ("transformers", None, "amx"): 0.85}
 # Generation's by engine and CPU class, as a multiple of its default tokens/s (prompts' and answers' tokens). vLLM
 # generating SmolLM2 on the EPYC of VNNI's class (2026-11-28, imports' speed 0.85-0.95): whole runs at 746-845
 # tokens/s on 47-96 rows of 83-305 prompt tokens and 17-56 answer tokens (bench/PREDICTION.md runs 23-24's first
