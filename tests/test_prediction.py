@@ -194,6 +194,13 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
               key: {"orchestrator API": [3.0], MAIN: [0.5], "flow start": [0.2]}}
     assert prediction.tracking_part(spec, stored)[:2] == (TRACKING_CREATED, 2.5)
     store.write_bytes(b"")  # there now: the next run opens it
+    # never opened here yet: its creation here, less what creating adds at the defaults
+    del stored[prediction.machine_key()][TRACKING_OPENED]
+    created_extra = (prediction.DEFAULT_TRACKING[TRACKING_CREATED] - prediction.DEFAULT_TRACKING[TRACKING_OPENED])
+    name, seconds, source = prediction.tracking_part(spec, stored)
+    assert (name, seconds) == (TRACKING_OPENED, pytest.approx(2.5 - created_extra * prediction.machine_speed()[0]))
+    assert source.startswith("its creation here, 2.5 s")
+    stored[prediction.machine_key()][TRACKING_OPENED] = [1.0]
     assert prediction.tracking_part(spec, stored)[:2] == (TRACKING_OPENED, 1.0)
     # opened in another mode's runs (3.0) and before it was stored by mode (1.0): their median, and it says so;
     # once this mode's runs opened it, theirs alone
