@@ -270,8 +270,10 @@ KEEP_LAST = 5
 # An eval gate never measured here: each model's start and the sample at its rate (the engines' defaults), and
 # this for the rest (the sample's reading, the metrics, closing an engine). A gate whose verdict this machine
 # kept starts no engine: it reads the sample and judges it again, two tasks of the job's own flow (0.07-0.09 s
-# on a quiet 2-core Xeon; 1.1-3.3 s there while the gate was a subflow: flows/gate.py run_gate).
-GATE_BESIDES_SECONDS = 1.0
+# on a quiet 2-core Xeon; 1.1-3.3 s there while the gate was a subflow: flows/gate.py run_gate). The rest measured
+# 1.4-1.7 s in the bench's first gates on the 2-core EPYC (runs 27-28, speed 0.93-0.95) and 1.6-1.7 on a 2-core
+# Xeon with AMX (runs 29a-d, 1.05), where 1.0 put them 0.6 s under (-9% and -10% on the 13-second job): 1.6.
+GATE_BESIDES_SECONDS = 1.6
 GATE_VERDICT_KEPT_SECONDS = 0.1
 GATE_MEASURED, GATE_KEPT, GATE_BESIDES = "gate", "gate, verdict kept", "gate besides the models' samples"
 COMPUTE = "default rate over measured"  # per mode, under machine_key(): see compute_speed
