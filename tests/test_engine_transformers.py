@@ -192,7 +192,9 @@ def test_on_a_cpu_every_linear_layer_runs_on_onednn_and_computes_what_torch_does
         ours = engine.model(input_ids=ids, attention_mask=mask).logits
         greedy = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
                                 pad_token_id=engine.pad_id)
-        assert torch.allclose(ours, expected, atol=1e-3, rtol=1e-4), (ours - expected).abs().max()
+        # float32 sums in another order: within 1e-4 of the logits' scale (a 2-core Xeon with AMX: 0.0011 at ~25)
+        scale = float(expected.abs().max())
+        assert torch.allclose(ours, expected, atol=1e-4 * scale, rtol=1e-4), (ours - expected).abs().max()
         assert torch.equal(engine.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16,
                                                  do_sample=False, pad_token_id=engine.pad_id), greedy)
 
