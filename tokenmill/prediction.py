@@ -998,10 +998,9 @@ def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
     if api_created:
         api = {"seconds": created, "source": f"{created_source}, creating its database: the first here"}
     elif api["source"].startswith("default") and not created_source.startswith("default"):
-        extra = (DEFAULT_API_CREATED - DEFAULT_SECONDS["orchestrator API"]) * machine_speed()[0]
-        api = {"seconds": max(created - extra, 0.0), "source": (
-            f"its first start here, which created its database, {created:.1f} s ({created_source}), less that "
-            f"at its default, {extra:.1f} s")}
+        seconds, source = less_creation("its first start here, which created its database", created, created_source,
+                                        DEFAULT_API_CREATED - DEFAULT_SECONDS["orchestrator API"])
+        api = {"seconds": seconds, "source": source}
     if main["source"].startswith("default"):
         beside, source = stored(parts, key, MAIN_BESIDE_TRIAL, None)
         if beside is not None:
@@ -1063,10 +1062,17 @@ def tracking_part(spec: JobSpec, parts: dict[str, Any]) -> tuple[str, float, str
         # never opened here, but created (a first run's): its creation less what creating adds at the defaults,
         # as the API's first start stands for its later ones (orchestration_part): a 2-core Xeon created it in
         # 2.2 s and opened it in 1.0-1.5 (median 1.2), where the default put an opening at 1.5
-        extra = (DEFAULT_TRACKING[TRACKING_CREATED] - DEFAULT_TRACKING[TRACKING_OPENED]) * machine_speed()[0]
-        return TRACKING_OPENED, max(created - extra, 0.0), (
-            f"its creation here, {created:.1f} s ({created_source}), less that at its default, {extra:.1f} s")
+        return TRACKING_OPENED, *less_creation("its creation here", created, created_source,
+                                               DEFAULT_TRACKING[TRACKING_CREATED] - DEFAULT_TRACKING[TRACKING_OPENED])
     return TRACKING_OPENED, seconds, source
+
+
+def less_creation(what: str, created: float, created_source: str, default_extra: float) -> tuple[float, str]:
+    """A later opening never measured here, from a first one that created its store here (`created` seconds):
+    that, less what creating adds at the defaults (`default_extra` at speed 1) at this machine's speed."""
+    extra = default_extra * machine_speed()[0]
+    return max(created - extra, 0.0), (
+        f"{what}, {created:.1f} s ({created_source}), less that at its default, {extra:.1f} s")
 
 
 def reading_key(mode: str) -> str:
