@@ -647,14 +647,25 @@ def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_inte
     factor, why = prediction.compute_speed("generate")
     assert factor == pytest.approx(3.0) and why.startswith(" / 3.00 (this machine's speed")
     # an int8 run (make run's gate) measures its quantization's speedup as much as the machine: not float32's rates
-    prediction.remember_parts({"cpu-test|machine": {prediction.compute_key("embed", "int8"): 0.3}})
+    int8 = prediction.default_rate("openvino", "embed", "int8")
+    prediction.remember_parts({"cpu-test|machine": {prediction.compute_key("embed", "int8", "openvino"): int8 / 0.3}})
     assert prediction.compute_speed("embed")[0] == pytest.approx(0.5)
-    assert prediction.compute_speed("embed", "int8")[0] == pytest.approx(0.3)
-    prediction.remember_parts({"cpu-test|machine": {f"{prediction.COMPUTE}@embed": 1.25}})
-    assert prediction.compute_speed("embed")[0] == pytest.approx(1.25)  # a run's measurement rules its mode
-    assert prediction.compute_speed("embed", "int8")[0] == pytest.approx(0.3)
-    assert prediction.compute_speed("embed", "int4")[0] == pytest.approx(1.25)  # none measured: float32's
+    assert prediction.compute_speed("embed", "int8")[0] == pytest.approx(0.3, rel=1e-4)
+    vllm = prediction.default_rate("vllm", "embed")
+    prediction.remember_parts({"cpu-test|machine": {prediction.compute_key("embed", None, "vllm"): vllm / 1.25}})
+    assert prediction.compute_speed("embed")[0] == pytest.approx(1.25, rel=1e-4)  # a run's measurement rules its mode
+    assert prediction.compute_speed("embed", "int8")[0] == pytest.approx(0.3, rel=1e-4)
+    assert prediction.compute_speed("embed", "int4")[0] == pytest.approx(1.25, rel=1e-4)  # none measured: float32's
     assert prediction.compute_speed("generate")[0] == pytest.approx(3.0)
+    # each engine's runs against its own default, and against today's: a default changed since the runs moves
+    # the factor with it, not every later prediction by the change
+    transformers = prediction.default_rate("transformers", "embed")
+    for factor in (1.5, 1.75):
+        prediction.remember_parts({"cpu-test|machine": {prediction.compute_key("embed", None, "transformers"):
+                                                        transformers / factor}})
+    assert prediction.compute_speed("embed")[0] == pytest.approx(1.5, rel=1e-4)  # median of 1.25, 1.5, 1.75
+    monkeypatch.setitem(prediction.DEFAULT_TOKENS_PER_S_BY_MODE, "embed", 2 * prediction.DEFAULT_TOKENS_PER_S_BY_MODE["embed"])
+    assert prediction.compute_speed("embed")[0] == pytest.approx(3.0, rel=1e-4)  # median of 1.25, 3.0, 3.5
     gflops = device.core_gflops()  # the real probe: one core's float32 products, a positive finite rate
     assert 0.1 < gflops < 10_000
 

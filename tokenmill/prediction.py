@@ -276,7 +276,7 @@ KEEP_LAST = 5
 GATE_BESIDES_SECONDS = 1.6
 GATE_VERDICT_KEPT_SECONDS = 0.1
 GATE_MEASURED, GATE_KEPT, GATE_BESIDES = "gate", "gate, verdict kept", "gate besides the models' samples"
-COMPUTE = "default rate over measured"  # per mode, under machine_key(): see compute_speed
+MEASURED_RATE = "tokens/s measured"  # per mode, quantization and engine, under machine_key(): see compute_speed
 PROBE = "float32 GFLOP/s a core"  # under machine_key(): see probe_speed
 INTERPRETER = "interpreter probe, ms"  # under machine_key(): see machine_speed
 # The interpreter probe's milliseconds (tokenmill.device.interpreter_ms) on the defaults' machine. Set so that the
@@ -520,21 +520,31 @@ def measured_default(engine: str, mode: str, quantization: str | None) -> bool:
     return (engine, quantization, int8_class()) in MEASURED_QUANTIZED
 
 
-def compute_key(mode: str, quantization: str | None) -> str:
-    """Where runs of this mode store their default rate over the rate they measured: a quantized model's apart.
-    A quantized default is a float32 one times a guess at this CPU's int8 speedup (DEFAULT_SPEEDUP), which a run
-    measures as much as the machine: on a 2-core Xeon with AMX, `make run`'s OpenVINO int8 ran at 1/0.58 of its
+def compute_key(mode: str, quantization: str | None, engine: str) -> str:
+    """Where runs of this mode store the tokens/s they measured on an engine (compute_speed): a quantized model's
+    apart. A quantized default is a float32 one times a guess at this CPU's int8 speedup (DEFAULT_SPEEDUP), which a
+    run measures as much as the machine: on a 2-core Xeon with AMX, `make run`'s OpenVINO int8 ran at 1/0.58 of its
     default and the float32 transformers engine at 1/0.7-1/0.8 of its own, and a user's first corpus after
     `make run`, divided by the int8 run's figure, was put at 31.8 s of engine against 41.8 (bench/PREDICTION.md,
     run 29's user rounds)."""
-    return f"{COMPUTE}@{mode}" + (f"@{quantization}" if quantization else "")
+    return f"{MEASURED_RATE}@{mode}" + (f"@{quantization}" if quantization else "") + f"@{engine}"
+
+
+def measured_factors(stored: dict[str, Any], mode: str, quantization: str | None) -> list[float]:
+    """Each run's default rate over the rate it measured (compute_key's), against today's defaults: a stored
+    factor would keep the default it was taken against, and a default changed since would scale every later
+    prediction by the change (a cache of runs before run 29's AMX default put `make run` 16.6% over)."""
+    prefix = compute_key(mode, quantization, "")
+    return [default_rate(name[len(prefix):], mode, quantization) / rate
+            for name, rates in sorted(stored.items()) if name.startswith(prefix) and "@" not in name[len(prefix):]
+            for rate in rates if rate > 0]
 
 
 def compute_speed(mode: str, quantization: str | None = None) -> tuple[float, str]:
     """How much slower than their defaults engines compute on this machine: the median, over the last runs
-    here of this mode (any engine, any job), of an engine's default rate over the rate the run measured; for a
-    quantized model, over runs of that quantization, else float32's (compute_key), never a float32 one by
-    quantized runs.
+    here of this mode (each engine's last KEEP_LAST, any job), of an engine's default rate over the rate the run
+    measured (measured_factors); for a quantized model, over runs of that quantization, else float32's
+    (compute_key), never a float32 one by quantized runs.
     Before any run, embedding on a CPU: probe_speed, its cores' matrix products against the defaults'
     machine's. Not the interpreter's figure (machine_speed), which does not read the vector units: a 2-core
     AMD host whose imports took 2.2x the defaults' ran MiniLM at 1/1.5-1/1.6 of their rates, and a 2-core
@@ -543,7 +553,7 @@ def compute_speed(mode: str, quantization: str | None = None) -> tuple[float, st
     interpreter's figure: that Xeon generated at 1/1.44-1/1.50 of the defaults, the AMD host at 1/2.6,
     against imports of 0.97x and 1.9x (the defaults since set from both)."""
     stored = read_parts().get(machine_key(), {})
-    measured = (quantization and stored.get(compute_key(mode, quantization))) or stored.get(compute_key(mode, None))
+    measured = (quantization and measured_factors(stored, mode, quantization)) or measured_factors(stored, mode, None)
     if not measured:
         probed = probe_speed() if mode == "embed" else None
         if probed is not None:
@@ -1615,8 +1625,8 @@ def _add_rate_parts(out: dict[str, dict[str, float]], spec: JobSpec, engine: str
         out[rates_key(spec, engine)] = {f"tokens_per_s@{length_class(mean_in)}": engine_tokens / engine_seconds,
                                         f"mean_tokens@{length_class(mean_in)}": mean_in}
     if measured_default(engine, spec.mode, spec.model.quantization):
-        out.setdefault(machine_key(), {})[compute_key(spec.mode, spec.model.quantization)] = (
-            default_rate(engine, spec.mode, spec.model.quantization) / (engine_tokens / engine_seconds))
+        out.setdefault(machine_key(), {})[compute_key(spec.mode, spec.model.quantization, engine)] = (
+            engine_tokens / engine_seconds)
 
 
 def _made_within(marks: dict[str, float], start: str, end: str) -> float:
