@@ -10,8 +10,15 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
-# engine: auto caches its trials; tests (and the commands they start) share one fresh cache, not the user's
-os.environ.setdefault("TOKENMILL_CACHE_DIR", __import__("tempfile").mkdtemp(prefix="tokenmill-test-cache-"))
+# engine: auto caches its trials; tests (and the commands they start) share one fresh cache, not the user's,
+# removed when the session ends (each `make test` made one more under /tmp)
+if "TOKENMILL_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TOKENMILL_CACHE_DIR"] = tempfile.mkdtemp(prefix="tokenmill-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TOKENMILL_CACHE_DIR"], ignore_errors=True)
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
