@@ -518,11 +518,11 @@ def test_embedding_calls_give_each_length_their_own_rate_for_runs_and_gates(tmp_
 def test_the_main_thread_of_a_run_with_trials_stands_in_until_a_warm_run_measures_it():
     """A first run's main thread (generation's includes transformers' import for the chat template, 6-15 s)
     is stored apart from a warm run's, and read only where no warm run measured it."""
-    from tokenmill.prediction import MAIN, MAIN_BESIDE_TRIAL, orchestration_part
+    from tokenmill.prediction import MAIN, MAIN_BESIDE_TRIAL, MAIN_FROM_TRIAL, orchestration_part
 
     first = {"here|vllm|generate": {"orchestrator API": [3.0], MAIN_BESIDE_TRIAL: [12.0], "flow start": [0.5]}}
     part = orchestration_part(first, "here|transformers|generate", 0.5)
-    assert part.seconds == pytest.approx(12.0 + 0.5) and "in runs with trials" in part.source
+    assert part.seconds == pytest.approx(12.0 * MAIN_FROM_TRIAL + 0.5) and "in runs with trials" in part.source
     warm = {"here|transformers|generate": {MAIN: [9.0]}, **first}
     assert orchestration_part(warm, "here|transformers|generate", 0.5).seconds == pytest.approx(9.0 + 0.5)
 
