@@ -1020,7 +1020,7 @@ def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
         beside, source = stored(parts, key, MAIN_BESIDE_TRIAL, None)
         if beside is not None:
             main = {"seconds": beside * MAIN_FROM_TRIAL,
-                    "source": f"{beside:.1f} s {source}, in runs with trials, x {MAIN_FROM_TRIAL:g} (a warm run's)"}
+                    "source": f"{source}, in runs with trials: {beside:.1f} s x {MAIN_FROM_TRIAL:g}, a warm run's share"}
     if alone:
         own, source = stored(parts, key, MAIN_ALONE, None)
         factor, speed = machine_speed()
