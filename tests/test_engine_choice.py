@@ -78,6 +78,29 @@ def test_start_seconds_weigh_by_the_jobs_size(trial_cache, corpus):
         100.0 + large.job_tokens / 10_000.0)
 
 
+def test_an_engine_closed_after_its_trial_in_this_process_is_charged_its_restart_not_its_first_start(corpus):
+    """The trials close the cheap-to-start engine before the next one's (trial_order); where they ran in this
+    process, starting it again for the job costs little (its library imported: MiniLM on transformers 0.04 s
+    against 4.9), so auto weighs that, and the prediction puts that in its engine start; from cached trials
+    (a later process), its whole start."""
+    from tokenmill import prediction
+    spec = JobSpec(input=str(corpus))
+    path = resolve_model(spec.model_name)
+    trials = [engine_choice.EngineTrial(engine="transformers", start_seconds=5.0, tokens_per_s=9_000.0, rows=10,
+                                        tokens=100, seconds=0.1),
+              engine_choice.EngineTrial(engine="vllm", start_seconds=40.0, tokens_per_s=5_000.0, rows=10,
+                                        tokens=100, seconds=0.1)]
+    fresh = engine_choice._predicted_seconds(spec, trials, path, 50_000.0, fresh=True)
+    assert fresh["transformers"] == pytest.approx(engine_choice.RESTART_SECONDS["transformers"] + 50_000 / 9_000)
+    assert min(fresh, key=fresh.get) == "transformers"
+    cached = engine_choice._predicted_seconds(spec, trials, path, 50_000.0)
+    assert cached["transformers"] == pytest.approx(5.0 + 50_000 / 9_000)
+    part = prediction.restart_part(spec, "transformers", {})
+    assert part.seconds < 0.5 and "started again after its trial" in part.source
+    measured = {prediction.engine_key(spec, "transformers"): {prediction.RESTART: [0.3]}}
+    assert prediction.restart_part(spec, "transformers", measured).seconds == pytest.approx(0.3)
+
+
 def test_a_trial_that_fails_loses_with_its_reason(trial_cache, corpus):
     spec = JobSpec(input=str(corpus))
     seed_trials(spec, [

@@ -39,6 +39,7 @@ import json
 import math
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,8 +61,9 @@ from tokenmill.engine_choice import (
     output_tokens_per_row,
     prefill_rows,
     rates_key,
+    restart_seconds,
     runnable_engines,
-    sample_rows,
+    sampled_inputs,
     split_warm,
     trial_order,
     trials_cached,
@@ -76,7 +78,7 @@ from tokenmill.openvino_engine import calibration
 from tokenmill.openvino_models import openvino_step
 from tokenmill.outputs import MANIFEST, OutputStore
 from tokenmill.planning import row_cache_share, rows_per_shard
-from tokenmill.prompts import prompt_columns, text_column_used
+from tokenmill.prompts import TEXT, prompt_columns, text_column_used
 from tokenmill.row_cache import bypass_reason, cache_uri
 from tokenmill.runner import engine_pads, plan_feed
 from tokenmill.shards import discover_shards_for, read_shard
@@ -281,6 +283,7 @@ KEEP_LAST = 5
 GATE_BESIDES_SECONDS = 1.6
 GATE_VERDICT_KEPT_SECONDS = 0.1
 GATE_MEASURED, GATE_KEPT, GATE_BESIDES = "gate", "gate, verdict kept", "gate besides the models' samples"
+RESTART = "engine start after its trial"  # under engine_key(): see restart_part
 MEASURED_RATE = "tokens/s measured"  # per mode, quantization and engine, under machine_key(): see compute_speed
 PROBE = "float32 GFLOP/s a core"  # under machine_key(): see probe_speed
 INTERPRETER = "interpreter probe, ms"  # under machine_key(): see machine_speed
@@ -796,34 +799,35 @@ def job_sample(spec: JobSpec) -> JobSample:
     todo = [(s, n) for s, n in zip(shards, rows) if s.shard_id not in done]
     model_path = resolve_model(spec.model_name)
     timeline.mark("sample_read_start")  # the first wins: a run's is its prediction's, on its main thread
-    trial_ids, sampled = sample_rows(spec, model_path, [TRIAL_ROWS[spec.mode], LENGTH_SAMPLE_ROWS[spec.mode]])
+    trial_rows, sampled = sampled_inputs(spec, model_path, [TRIAL_ROWS[spec.mode], LENGTH_SAMPLE_ROWS[spec.mode]])
     timeline.mark("sample_read_done")
-    trial = [len(r) for r in trial_ids]
-    read_tokens = sum(trial) + sum(len(r) for r in sampled)
-    lengths = [len(r) for r in sampled]
-    distinct_lengths = [len(r) for r in dict.fromkeys(tuple(r) for r in sampled)]
+    trial = [len(r) for r, _ in trial_rows]
+    read_tokens = sum(trial) + sum(len(r) for r, _ in sampled)
+    lengths = [len(r) for r, _ in sampled]
     share = 0.0
     if todo and spec.cache.enabled and _row_cache_exists(spec):
         share, _ = row_cache_share(spec, [s for s, _ in todo], [n for _, n in todo], len(trial))
     rows_read = sum(n for _, n in todo)
-    distinct, counted = distinct_share(spec, [s for s, _ in todo])
+    distinct, counted, counts = distinct_share(spec, [s for s, _ in todo])
+    distinct_lengths = distinct_sample(spec, sampled, counts)
     return JobSample(rows=round(rows_read * (1.0 - share)), shards=len(todo), lengths=lengths,
                      distinct_lengths=distinct_lengths, trial_lengths=trial,
                      row_cache_share=share, finished_shards=len(done), distinct=distinct,
                      distinct_source=counted, rows_read=rows_read, read_tokens=read_tokens)
 
 
-def distinct_share(spec: JobSpec, shards) -> tuple[float, str]:
+def distinct_share(spec: JobSpec, shards) -> tuple[float, str, Counter | None]:
     """The share of these shards' rows the engine computes once identical inputs are computed once
     (tokenmill.row_cache: collapsed within a shard; with the row cache on, a later shard also finds an
-    earlier one's rows in it), counted over the inputs as read: the columns the prompt is made from.
-    (1.0, "") when the run collapses nothing or the inputs cannot be read here."""
+    earlier one's rows in it), counted over the inputs as read: the columns the prompt is made from; and,
+    collapsed across shards, how many rows read each input had (distinct_sample). (1.0, "", None) when the
+    run collapses nothing or the inputs cannot be read here."""
     if not shards or not (spec.cache.enabled or spec.cache.collapse_duplicates) or any(
             s.format == "openai-batch" for s in shards):
-        return 1.0, ""
+        return 1.0, "", None
     columns = [c for c in (text_column_used(spec), *prompt_columns(spec),
                            spec.generation.messages_column if spec.mode == "generate" else None) if c]
-    seen: set = set()
+    seen: Counter = Counter()
     read = distinct = 0
     try:
         for shard in shards:
@@ -831,20 +835,51 @@ def distinct_share(spec: JobSpec, shards) -> tuple[float, str]:
             values = [table.column(c).to_pylist() for c in columns if c in table.column_names]
             keys = [_input_key(v) for v in zip(*values)]
             if not spec.cache.enabled:  # collapse alone: within each shard
-                seen = set()
+                seen = Counter()
             before = len(seen)
             seen.update(keys)
             read, distinct = read + len(keys), distinct + len(seen) - before
             if read >= DISTINCT_ROWS_READ:
                 break
     except Exception:  # noqa: BLE001 - an input this sample cannot read: the run meets and reports it
-        return 1.0, ""
+        return 1.0, "", None
     if not read or distinct == read:
-        return 1.0, ""
+        return 1.0, "", None
     scope = "across shards" if spec.cache.enabled else "within each shard"
     counted = "all" if shard is shards[-1] else f"the first {read:,}"
     return distinct / read, (f"identical inputs computed once: {distinct:,} distinct of {read:,} rows "
-                             f"({scope}), counted over {counted} rows")
+                             f"({scope}), counted over {counted} rows"), seen if spec.cache.enabled else None
+
+
+def distinct_sample(spec: JobSpec, sampled: list[tuple[list[int], Any]], counts: Counter | None) -> list[int]:
+    """The lengths of the distinct inputs a run that collapses identical ones computes, from the corpus's sample
+    (rows, each with what it was encoded from): each row counted as one over the rows its input has in the
+    corpus (distinct_share's counts), so that an input weighs as much as any other whatever its copies; kept
+    as lengths by a running sum of those shares, one row each time it passes a whole, over the rows in the order
+    of their inputs' digests (an input's copies together). The sample's distinct rows alone had the inputs
+    repeated across the corpus (the demo's short rows) in it as often as the rest: `make run`'s 16,950 distinct
+    rows were put at 84.8 tokens a row against the 90.3 its engine computed (this: 90.3). Without counts
+    (collapsed within shards, or inputs this cannot key: a messages column's), the sample's distinct rows."""
+    keys = [_sample_key(spec, value) for _, value in sampled] if counts else []
+    if not keys or any(k is None or k not in counts for k in keys):
+        return [len(r) for r in dict.fromkeys(tuple(r) for r, _ in sampled)]
+    order = sorted(range(len(sampled)), key=lambda i: stable_digest(str(keys[i]), 16))
+    kept, share = [], 0.0
+    for i in order:
+        before, share = share, share + 1.0 / counts[keys[i]]
+        if math.floor(share + 1e-9) > math.floor(before + 1e-9):
+            kept.append(len(sampled[i][0]))
+    return kept or [len(sampled[order[0]][0])]
+
+
+def _sample_key(spec: JobSpec, value: Any) -> Any:
+    """distinct_share's key of a sampled row's input (sampling.prompt_inputs': a text, or a mapping of the text
+    and the prompt's other columns); None for a messages column's, which is keyed as read, not as a chat."""
+    if isinstance(value, str):
+        return _input_key((value,))
+    if isinstance(value, dict) and TEXT in value and "messages" not in value:
+        return _input_key((value[TEXT], *(value.get(c) for c in prompt_columns(spec))))
+    return None
 
 
 def _input_key(values: tuple) -> Any:
@@ -870,17 +905,18 @@ def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str
     measured = {t.engine for _, t in trials} & set(able)
     if measured != set(able):
         tokens = engine_part(spec, able[0], sample, [])[1]
-        seconds = {e: (0.0 if e == trial_order(able)[-1] else default_start(e, spec.mode))
+        seconds = {e: (0.0 if e == trial_order(able)[-1] else restart_seconds(e, default_start(e, spec.mode)))
                    + tokens / default_rate(e, spec.mode) for e in able}
         return (min(seconds, key=seconds.get),
-                f"default: auto's choice at the default starts and rates (the trial's last engine kept open), "
-                "before any trial")
+                f"default: auto's choice at the default starts and rates (the trial's last engine kept open, "
+                "the others started again), before any trial")
     # as auto weighs them (engine_choice.choose_engine): the trial's start, but none for an engine open (the
     # trials' last, where this run's trials run: a new length), then the job at the trial's rate. Weighed with
     # every start, a long corpus's first run was put on transformers where each run here chose vLLM, open
     # from its trial (bench/PREDICTION.md runs 23a-24b: +1.7% to +7.8%, its close and transformers' start)
     kept = trial_order(able)[-1] if trials_run(spec, sample, able) else None
-    seconds = {e: (0.0 if e == kept else trial_start(spec, e, sample, trials))
+    seconds = {e: (0.0 if e == kept else restart_seconds(e, trial_start(spec, e, sample, trials)) if kept
+                   else trial_start(spec, e, sample, trials))
                + engine_part(spec, e, sample, trials)[0].seconds for e in able}  # the trials' figures alone
     return min(seconds, key=seconds.get), ("auto, by the trials' starts and rates" + (
         f", {kept} open from its trial" if kept else ""))
@@ -950,6 +986,8 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
     idle = sample.shards == 0 and not trial_runs  # every shard finished: no engine starts (tasks/warm.py)
     if trial_runs and engine == trial_order(able)[-1]:
         start = Part(name="engine start", seconds=0.0, source=f"{engine}: kept open from its trial")
+    elif trial_runs:
+        start = restart_part(spec, engine, parts)
     elif idle:
         start = Part(name="engine start", seconds=0.0, source=f"{engine}: every shard finished, none starts")
     else:
@@ -1208,6 +1246,15 @@ def trial_tokens(spec: JobSpec, lengths: list[int], engine: str) -> float:
     out = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS) if spec.mode == "generate" else 0
     passes = 2 if engine == "transformers" and spec.mode == "embed" and device_label().startswith("cpu") else 1
     return sum(n + out for n in warm) + passes * sum(n + out for n in timed)
+
+
+def restart_part(spec: JobSpec, engine: str, parts: dict[str, Any]) -> Part:
+    """The engine's start after its trial in this process closed it (engine_choice.RESTART_SECONDS): as runs
+    here measured it, else the default at this machine's speed (an engine with none: its first start's)."""
+    default = restart_seconds(engine, default_start(engine, spec.mode))
+    seconds, source = stored(parts, engine_key(spec, engine), RESTART, default)
+    return Part(name="engine start", seconds=seconds,
+                source=f"{engine}: started again after its trial closed it, its library imported: {source}")
 
 
 def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict[str, Any], trials,
@@ -1526,9 +1573,11 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         fixed["index build per 1,000 rows"] = index / engine_rows * 1000
     _add_rate_parts(out, spec, engine, metrics, engine_rows, lengths)
     if trials_ran:
+        kept = engine == trial_order(runnable_engines(spec)[0])[-1]
         if trial_engine_seconds:  # what the trials cost besides the engines: the sample's reading, closing them
-            kept = engine == trial_order(runnable_engines(spec)[0])[-1]
             out[trials_key(spec)] = {trial_overhead_name(kept): trials - trial_engine_seconds}
+        if not kept and in_shard:  # closed after its trial, started again in the first shard (restart_part)
+            out[engine_key(spec, engine)] = {RESTART: in_shard}
     elif early or "engine_start" in marks:
         span = ("early_engine_start", "early_engine_ready") if early else ("engine_start", "engine_ready")
         name = COMPILING_START if "engine_compiled" in marks else "engine start"  # see first_compile
