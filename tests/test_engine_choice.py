@@ -95,10 +95,8 @@ def test_an_engine_closed_after_its_trial_in_this_process_is_charged_its_restart
     assert min(fresh, key=fresh.get) == "transformers"
     cached = engine_choice._predicted_seconds(spec, trials, path, 50_000.0)
     assert cached["transformers"] == pytest.approx(5.0 + 50_000 / 9_000)
-    part = prediction.restart_part(spec, "transformers", {})
+    part = prediction.restart_part(spec, "transformers")
     assert part.seconds < 0.5 and "started again after its trial" in part.source
-    measured = {prediction.engine_key(spec, "transformers"): {prediction.RESTART: [0.3]}}
-    assert prediction.restart_part(spec, "transformers", measured).seconds == pytest.approx(0.3)
 
 
 def test_a_trial_that_fails_loses_with_its_reason(trial_cache, corpus):
