@@ -351,7 +351,9 @@ def _job_tokens(spec: JobSpec, good: list[EngineTrial], job_rows: int | None, me
 # again with its library imported and its weights in the page cache: MiniLM on transformers restarted in 0.04 s
 # on a 2-core Xeon against 4.9 s for its first start in the process, which auto's choice and the prediction had
 # both charged again (a first run's docstring corpus, won by transformers, was put 4.6 s over for it). Seconds,
-# for the engines that are closed after their trial; the others restart at their trial's start.
+# for the engines that are closed after their trial; the others restart at their trial's start. Measured for a
+# model of MiniLM's size on a CPU only: a larger model reads its weights again (a GPU's copies them again), which
+# this leaves out; never more than the trial's own start.
 RESTART_SECONDS = {"transformers": 0.05}
 
 
