@@ -362,6 +362,15 @@ def restart_seconds(engine: str, first_start: float) -> float:
     return min(RESTART_SECONDS.get(engine, first_start), first_start)
 
 
+def weighed_start(engine: str, first_start: float, open_engines: set[str], trials_here: bool) -> float:
+    """The start auto weighs for an engine, and the prediction of its choice (prediction.predicted_engine)
+    with it: none where it is open, its restart where its trial ran in this process and closed it
+    (restart_seconds), else its first start."""
+    if engine in open_engines:
+        return 0.0
+    return restart_seconds(engine, first_start) if trials_here else first_start
+
+
 def _predicted_seconds(spec: JobSpec, good: list[EngineTrial], model_path: str,
                        job_tokens: float | None, fresh: bool = False) -> dict[str, float]:
     """Each engine's predicted seconds for the job (start, unless already open, plus steady running); with
@@ -370,8 +379,7 @@ def _predicted_seconds(spec: JobSpec, good: list[EngineTrial], model_path: str,
     running = {t.engine for t in good if is_open(model_path, with_engine(spec, t.engine))}
     predicted = {}
     for t in good:
-        start = (0.0 if t.engine in running else restart_seconds(t.engine, t.start_seconds) if fresh
-                 else t.start_seconds)
+        start = weighed_start(t.engine, t.start_seconds, running, fresh)
         steady = (job_tokens / t.tokens_per_s) if job_tokens else 0.0
         predicted[t.engine] = start + steady if job_tokens else 1.0 / t.tokens_per_s
     return predicted

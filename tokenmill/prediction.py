@@ -67,6 +67,7 @@ from tokenmill.engine_choice import (
     split_warm,
     trial_order,
     trials_cached,
+    weighed_start,
 )
 from tokenmill.digest import stable_digest
 from tokenmill.json_store import read_json, rewrite_json
@@ -904,7 +905,7 @@ def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str
     measured = {t.engine for _, t in trials} & set(able)
     if measured != set(able):
         tokens = engine_part(spec, able[0], sample, [])[1]
-        seconds = {e: (0.0 if e == trial_order(able)[-1] else restart_seconds(e, default_start(e, spec.mode)))
+        seconds = {e: weighed_start(e, default_start(e, spec.mode), {trial_order(able)[-1]}, True)
                    + tokens / default_rate(e, spec.mode) for e in able}
         return (min(seconds, key=seconds.get),
                 f"default: auto's choice at the default starts and rates (the trial's last engine kept open, "
@@ -914,8 +915,7 @@ def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str
     # every start, a long corpus's first run was put on transformers where each run here chose vLLM, open
     # from its trial (bench/PREDICTION.md runs 23a-24b: +1.7% to +7.8%, its close and transformers' start)
     kept = trial_order(able)[-1] if trials_run(spec, sample, able) else None
-    seconds = {e: (0.0 if e == kept else restart_seconds(e, trial_start(spec, e, sample, trials)) if kept
-                   else trial_start(spec, e, sample, trials))
+    seconds = {e: weighed_start(e, trial_start(spec, e, sample, trials), {kept} if kept else set(), bool(kept))
                + engine_part(spec, e, sample, trials)[0].seconds for e in able}  # the trials' figures alone
     return min(seconds, key=seconds.get), ("auto, by the trials' starts and rates" + (
         f", {kept} open from its trial" if kept else ""))
