@@ -686,11 +686,15 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
     return Part(name="engine", seconds=seconds, source=source), tokens
 
 
-def measured_calls(spec: JobSpec, engine: str, trials) -> list[call_costs.CallCost]:
-    """The generation calls measured here for this family on this engine: its trials', its runs' and the
-    answers' probe's."""
-    return ([c for _, t in trials if t.engine == engine for c in t.calls]
-            + call_costs.read_calls(cache_dir(), rates_key(spec, engine)))
+def call_fit(spec: JobSpec, engine: str, trials) -> tuple[list[float] | None, str]:
+    """The fit of a generation call's seconds (call_costs.fit_stalled) to the calls measured here for this
+    family on this engine: its trials', its runs' and the answers' probe's; and what it was fit to."""
+    measured = ([c for _, t in trials if t.engine == engine for c in t.calls]
+                + call_costs.read_calls(cache_dir(), rates_key(spec, engine)))
+    coefficients, stalled = call_costs.fit_stalled(measured)
+    return coefficients, f"fit to {len(measured) - stalled} calls measured here" + (
+        f", {stalled} left out: {'it' if stalled == 1 else 'they'} ran over {call_costs.STALLED}x the others' fit, "
+        f"stalled" if stalled else "")
 
 
 def trial_calls(spec: JobSpec, engine: str, lengths: list[int], trials) -> tuple[float, str] | None:
@@ -700,8 +704,7 @@ def trial_calls(spec: JobSpec, engine: str, lengths: list[int], trials) -> tuple
     9.4 s where it took 13.0-15.7 (its calls are few rows each). None where the calls measured are too few."""
     if spec.mode != "generate" or spec.generation.n > 1 or not lengths:
         return None
-    measured = measured_calls(spec, engine, trials)
-    coefficients, stalled = call_costs.fit_stalled(measured)
+    coefficients, fitted_to = call_fit(spec, engine, trials)
     if coefficients is None:
         return None
     cap = min(spec.generation.max_tokens, TRIAL_MAX_TOKENS)
@@ -715,14 +718,7 @@ def trial_calls(spec: JobSpec, engine: str, lengths: list[int], trials) -> tuple
             pads, prefill, 1, len(prefill), concurrency).features()))
     fitted = call_costs.describe_fit(coefficients)
     return seconds, (f"{seconds:.1f} s for {len(calls) + bool(prefill)} calls at {fitted} "
-                     f"({fit_to(measured, stalled)}), answers at the trial's cap of {cap}")
-
-
-def fit_to(measured: list, stalled: int) -> str:
-    """What a call fit was fit to (call_costs.fit_stalled)."""
-    return f"fit to {len(measured) - stalled} calls measured here" + (
-        f", {stalled} left out: {'it' if stalled == 1 else 'they'} ran over {call_costs.STALLED}x the others' fit, "
-        f"stalled" if stalled else "")
+                     f"({fitted_to}), answers at the trial's cap of {cap}")
 
 
 def trial_call_plan(spec: JobSpec, engine: str, lengths: list[int]) -> tuple[list[list[int]], list[int]]:
@@ -760,8 +756,7 @@ def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed:
     (or n > 1), and the tokens/s curve answers."""
     if spec.mode != "generate" or spec.generation.n > 1:
         return None
-    measured = measured_calls(spec, engine, trials)
-    coefficients, stalled = call_costs.fit_stalled(measured)
+    coefficients, fitted_to = call_fit(spec, engine, trials)
     if coefficients is None:
         return None
     answers, prompts, answered = job_answers(spec, trials)
@@ -771,7 +766,7 @@ def calls_part(spec: JobSpec, engine: str, sample: JobSample, trials, collapsed:
         rows, sample.shards, engine_pads(engine), answers, spec.batching.max_batch_size, prompts)
     return Part(name="engine", seconds=seconds, source=(
         f"{calls:,} calls of {steps:.0f} steps on average, at {call_costs.describe_fit(coefficients)} ({engine}: "
-        f"{fit_to(measured, stalled)}); {answered}; {tokens / seconds if seconds else 0:,.0f} "
+        f"{fitted_to}); {answered}; {tokens / seconds if seconds else 0:,.0f} "
         f"tokens/s{repeats}"))
 
 
