@@ -146,7 +146,8 @@ def predicted_against_measured_wall(spec: JobSpec, engine: str, engine_choice, m
     trial_engine_seconds = sum(t.wall_seconds for t in engine_choice.trials) if trials_ran else 0.0
     gate_samples = None  # what a measuring gate's models spent on their samples: apart from its other seconds
     if gate_report is not None and not gate_report.cached:
-        gate_samples = sum(c.seconds for c in [gate_report.reference, *(v.cost for v in gate_report.candidates)])
+        gate_samples = sum(c.seconds + c.untimed_seconds
+                           for c in [gate_report.reference, *(v.cost for v in gate_report.candidates)])
     prediction.remember_run(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
                             shards_read=len(fresh), gate_samples=gate_samples)
     get_run_logger().info("%s", predicted.describe())

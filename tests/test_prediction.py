@@ -540,6 +540,11 @@ def test_embedding_calls_give_each_length_their_own_rate_for_runs_and_gates(tmp_
                          candidates=[CandidateVerdict(cost=cost(50_000.0), metrics=[], passed=True)], chosen=0)
     seconds = gate_samples_seconds(verdict, [256] * 10, 100)  # a corpus of long rows
     assert seconds == pytest.approx(100 * 256 / 20_000.0 + 100 * 256 / 50_000.0)
+    # the untimed pass before each timed one (gate.run_sample), as long over the timed pass as it measured
+    cold = cost(50_000.0).model_copy(update={"untimed_seconds": 1.6})
+    verdict = verdict.model_copy(update={"candidates": [CandidateVerdict(cost=cold, metrics=[], passed=True)]})
+    seconds = gate_samples_seconds(verdict, [256] * 10, 100)
+    assert seconds == pytest.approx(100 * 256 / 20_000.0 + 2.6 * 100 * 256 / 50_000.0)
 
 
 def test_the_main_thread_of_a_run_with_trials_stands_in_until_a_warm_run_measures_it():

@@ -71,7 +71,7 @@ from tokenmill.engine_choice import (
 )
 from tokenmill.digest import stable_digest
 from tokenmill.json_store import read_json, rewrite_json
-from tokenmill.gate import (GateReport, candidate_models, chosen_model, job_for, known_verdict,
+from tokenmill.gate import (UNTIMED_PASS_MODE, GateReport, candidate_models, chosen_model, job_for, known_verdict,
                             last_verdict_elsewhere, pick_cheapest)
 from tokenmill.models import resolve_model
 from tokenmill.onnx_models import MADE_SPANS, cpu_flags, int8_isa, made_seconds, model_folder, onnx_steps
@@ -1454,14 +1454,15 @@ def kept_rate(verdict: GateReport | None, where: str) -> tuple[float, float, str
 def gate_samples_seconds(verdict: GateReport, lengths: list[int], rows: int) -> float:
     """Every model the verdict ran, on `rows` sample rows of these lengths (the corpus's sample): at the rate
     it measured on its own sample at each length class there (log-log between them, as rate_at), else at its
-    rate over that sample."""
+    rate over that sample; and its untimed pass (gate.UNTIMED_PASS_MODE) as it measured it, over its timed one."""
     lengths = lengths or [1]
     seconds = 0.0
     for cost in [verdict.reference, *(v.cost for v in verdict.candidates)]:
         if cost.tokens <= 0 or cost.tokens_per_s <= 0:
             continue
         curve = [(mean, rate) for mean, rate in cost.rates_by_length.values()] or [(1.0, cost.tokens_per_s)]
-        seconds += rows * statistics.fmean(n / rate_at(curve, n) for n in lengths)
+        timed = rows * statistics.fmean(n / rate_at(curve, n) for n in lengths)
+        seconds += timed * (1 + (cost.untimed_seconds / cost.seconds if cost.seconds > 0 else 0.0))
     return seconds
 
 
@@ -1501,12 +1502,14 @@ def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, elsewh
     if seconds is not None:
         return Part(name="eval gate", seconds=seconds + making, source=f"{source}; {why}")
     engines = [engine_of(job_for(spec, m)) for m in models]
-    each = [default_start_here(e, spec.mode) + tokens / default_rate_here(e, spec.mode, m.quantization)
+    passes = 2 if spec.mode == UNTIMED_PASS_MODE else 1  # gate.run_sample: an untimed pass, then the timed one
+    each = [default_start_here(e, spec.mode) + passes * tokens / default_rate_here(e, spec.mode, m.quantization)
             for e, m in zip(engines, models)]
     factor, speed = machine_speed()
     return Part(name="eval gate", seconds=sum(each) + GATE_BESIDES_SECONDS * factor + making, source=(
         f"default: never measured here, {len(models)} models each at its engine's default start and rate on "
-        f"~{tokens:,.0f} sample tokens, + {GATE_BESIDES_SECONDS:g} s{speed}; {why}"))
+        f"~{tokens:,.0f} sample tokens{' twice (untimed, then timed)' if passes > 1 else ''}, "
+        f"+ {GATE_BESIDES_SECONDS:g} s{speed}; {why}"))
 
 
 def made_for(spec: JobSpec) -> Prediction | None:
