@@ -71,8 +71,8 @@ from tokenmill.engine_choice import (
 )
 from tokenmill.digest import stable_digest
 from tokenmill.json_store import read_json, rewrite_json
-from tokenmill.gate import (UNTIMED_PASS_MODE, GateReport, candidate_models, chosen_model, job_for, known_verdict,
-                            last_verdict_elsewhere, pick_cheapest)
+from tokenmill.gate import (GATE_CACHE_VERSION, UNTIMED_PASS_MODE, GateReport, candidate_models, chosen_model, job_for,
+                            known_verdict, last_verdict_elsewhere, pick_cheapest)
 from tokenmill.models import resolve_model
 from tokenmill.onnx_models import MADE_SPANS, cpu_flags, int8_isa, made_seconds, model_folder, onnx_steps
 from tokenmill.openvino_engine import calibration
@@ -409,9 +409,11 @@ def engine_key(spec: JobSpec, engine: str) -> str:
 
 
 def gate_key(spec: JobSpec) -> str:
-    """An eval gate's seconds: per device and mode, for its models (reference and candidates) and sample size."""
+    """An eval gate's seconds: per device and mode, for its models (reference and candidates) and sample size, and
+    what the gate measures (GATE_CACHE_VERSION: a gate of another version ran other passes of its sample)."""
     models = [spec.gate.reference.model_dump(mode="json"), *(m.model_dump(mode="json") for m in candidate_models(spec))]
-    return f"{device_label()}|gate|{spec.mode}|{stable_digest([models, spec.gate.sample_rows], 12)}"
+    digest = stable_digest([models, spec.gate.sample_rows, GATE_CACHE_VERSION], 12)
+    return f"{device_label()}|gate|{spec.mode}|{digest}"
 
 
 def trials_key(spec: JobSpec) -> str:
