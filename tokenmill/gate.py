@@ -292,13 +292,14 @@ def run_sample(resolved: ResolvedJob, texts: list[str], engine: Engine | None = 
     engine = engine or get_engine(resolved.model_path, job)
     batches = plan_batches(lengths, token_budget(job, engine), job.batching.max_batch_size,
                            job.batching.length_tolerance)
+    full_pass = job.mode == UNTIMED_PASS_MODE and timed
     started = time.perf_counter()
-    if batches and job.mode == UNTIMED_PASS_MODE and timed:
+    if batches and full_pass:
         run_batches(engine, batches, encoded.token_ids, job, None)
     elif batches:
         warm = batches[0][:WARM_UP_ROWS]
         run_batches(engine, [list(range(len(warm)))], [encoded.token_ids[i] for i in warm], job, None)
-    untimed = time.perf_counter() - started if job.mode == UNTIMED_PASS_MODE and timed else 0.0
+    untimed = time.perf_counter() - started if full_pass else 0.0
     started = time.perf_counter()
     calls: list[CallCost] = []
     results, _ = run_batches(engine, batches, encoded.token_ids, job, "gate", calls if job.mode == "embed" else None)
