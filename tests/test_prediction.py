@@ -2,6 +2,7 @@
 and run; never from another job's figures; a part never measured named as a default. No timing asserted."""
 
 import json
+import math
 import os
 import re
 import statistics
@@ -606,6 +607,21 @@ def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_
     median = statistics.median([2 * prediction.DEFAULT_INTERPRETER_MS, 20.0, 24.0, 90.0])
     assert factor == pytest.approx(median / prediction.DEFAULT_INTERPRETER_MS)  # of 2x the default, 20, 24, 90
     assert f"the median of 4 commands' interpreter probes here, {median:.1f} ms" in why
+    # with the commands' imports' wall seconds stored beside the probe: the two factors' geometric mean
+    by_probe = median / prediction.DEFAULT_INTERPRETER_MS
+    prediction.remember_parts({"cpu-test|machine": {prediction.IMPORTS: 4 * prediction.DEFAULT_SECONDS["python imports"]}})
+    factor, why = prediction.machine_speed()
+    assert factor == pytest.approx(math.sqrt(by_probe * 4.0))
+    assert why.startswith(f" x {factor:.2f} (this machine's speed: the geometric mean of {by_probe:.2f} (the median "
+                          f"of 4 commands' interpreter probes here, {median:.1f} ms, against ")
+    assert why.endswith(" ms) and 4.00 (a command's imports here, 5.6 s, against 1.4 s))")
+    seconds, source = prediction.stored({}, "cpu-test|vllm|embed", "exit", 3.5)
+    assert seconds == pytest.approx(3.5 * factor) and "geometric mean" in source
+    prediction.remember_parts({"gpu-test|machine": {prediction.IMPORTS: 2 * prediction.DEFAULT_SECONDS["python imports"]}})
+    monkeypatch.setattr(prediction, "device_label", lambda: "gpu-test")
+    assert prediction.machine_speed()[0] == pytest.approx(2.0)  # sqrt(2 x 2)
+    # generation's default rates stay on the interpreter's figure alone (small products a step, no imports)
+    assert prediction.compute_speed("generate")[0] == pytest.approx(2.0)
 
 
 def test_a_process_start_is_read_on_the_clock_its_ticks_count_on():
@@ -642,11 +658,15 @@ def test_a_command_probes_the_interpreter_once_a_process_and_nothing_else_does(m
         timeline.reset()
         timeline._first_job = True
         assert prediction.command_interpreter_ms() is None  # no command marked: a library call
+        assert prediction.command_imports_seconds() is None
         timeline.mark("command_ready")
         assert prediction.command_interpreter_ms() == 12.35 and prediction.command_interpreter_ms() == 12.35
+        since_start = time.time() - timeline.process_started()  # this process's start to now: the imports' bound
+        assert 0 < prediction.command_imports_seconds() <= since_start + 0.01
         assert len(calls) == 1  # once a process
         timeline._first_job = False
         assert prediction.command_interpreter_ms() is None  # a later job of the process: not the command's
+        assert prediction.command_imports_seconds() is None
         timeline._first_job = True
         monkeypatch.setattr(prediction, "_interpreter_probed", None)
         monkeypatch.setattr(prediction, "interpreter_ms", lambda: 1 / 0)

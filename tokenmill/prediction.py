@@ -287,6 +287,7 @@ GATE_MEASURED, GATE_KEPT, GATE_BESIDES = "gate", "gate, verdict kept", "gate bes
 MEASURED_RATE = "tokens/s measured"  # per mode, quantization and engine, under machine_key(): see compute_speed
 PROBE = "float32 GFLOP/s a core"  # under machine_key(): see probe_speed
 INTERPRETER = "interpreter probe, ms"  # under machine_key(): see machine_speed
+IMPORTS = "a command's imports, s"  # under machine_key(): see machine_speed
 # The interpreter probe's milliseconds (tokenmill.device.interpreter_ms) on the defaults' machine. Set so that the
 # 2-core EPYC of bench/PREDICTION.md's runs 22-27, on which the defaults were last measured, reads the speed its
 # first runs read by the figure before this one (the first command's imports' user CPU seconds: 1.21-1.27 s in
@@ -449,8 +450,28 @@ def machine_speed() -> tuple[float, str]:
     EPYC they read 1.33-1.35 s in three rounds of user jobs and 1.06-1.08 s in two later ones (a process's
     CPU counts its thread pools' spinning, which a busy neighbour cuts), scaling every default of a first
     run by 20% while vLLM's first starts there took 37.7-43.4 s in all of them (bench/PREDICTION.md run 27).
-    1.0 before any command measured it (a library call does not start at a command)."""
+    With it, a command's imports' wall seconds (command_imports_seconds, stored alike): the geometric mean of
+    the two. The defaults it scales are starts (vLLM's, transformers', Prefect's API creating its database),
+    which read files and import as much as they compute, and a shared host's slow hours slow those more than
+    the probe's pure interpreter work: on the 2-core Xeon (bench/PREDICTION.md runs 29a-31c, ten first jobs)
+    the first job's imports took 1.2-1.6 s in quiet runs and 2.3 and 3.1 s in the two whose first jobs missed
+    by -18% and -33%, where the probe read 13.3 and 13.6 ms against 10.8-12.3; over those ten runs vLLM's first
+    MiniLM and SmolLM2 starts, the API's first start and transformers' start missed a figure at speed 1 times
+    the probe's factor by 12-17% rms, times the imports' by 8-13%, times the two's geometric mean by 3-8%.
+    1.0 before any command measured either (a library call does not start at a command)."""
     factor, why = speed_by_interpreter()
+    imports = machine_figure(IMPORTS, command_imports_seconds)
+    if imports:
+        seconds = statistics.median(imports)
+        by_imports = min(max(seconds / DEFAULT_SECONDS["python imports"], 0.5), 4.0)
+        said = (f"the median of {len(imports)} commands' imports here, {seconds:.1f} s" if len(imports) > 1 else
+                f"a command's imports here, {seconds:.1f} s") + f", against {DEFAULT_SECONDS['python imports']:g} s"
+        if why:
+            factor, why = math.sqrt(factor * by_imports), (
+                f"this machine's speed: the geometric mean of {factor:.2f} ({why.split(': ', 1)[1]}) and "
+                f"{by_imports:.2f} ({said})")
+        else:
+            factor, why = by_imports, f"this machine's speed: {said}"
     return factor, f" x {factor:.2f} ({why})" if why else ""
 
 
@@ -464,7 +485,7 @@ def speed_by_interpreter() -> tuple[float, str]:
         why = f"the median of {len(measured)} commands' interpreter probes here, {ms:.1f} ms"
     else:
         ms = measured[0]
-        why = f"the interpreter probe took {ms:.1f} ms here"
+        why = f"the interpreter probe here, {ms:.1f} ms"
     return (min(max(ms / DEFAULT_INTERPRETER_MS, 0.5), 4.0),
             f"this machine's speed: {why}, against {DEFAULT_INTERPRETER_MS:g} ms")
 
@@ -503,6 +524,16 @@ def command_interpreter_ms() -> float | None:
 
 
 _interpreter_probed: float | None = None
+
+
+def command_imports_seconds() -> float | None:
+    """A command's imports' wall seconds: its process's start to command_ready (tokenmill.cli: Python's start,
+    Prefect's and pydantic's imports, the parser), where the process is a command's and this its first job
+    (machine_speed); None elsewhere."""
+    marks = timeline.marks()
+    if not timeline.measures_process() or "command_ready" not in marks:
+        return None
+    return round(max(marks["command_ready"] - timeline.process_started(), 0.01), 2)
 
 
 def default_start_here(engine: str, mode: str) -> float:
@@ -1614,6 +1645,9 @@ def _machine_parts(spec: JobSpec, marks: dict[str, float]) -> dict[str, dict[str
     probed = command_interpreter_ms()
     if probed is not None:
         machine[INTERPRETER] = probed
+    imports = command_imports_seconds()
+    if imports is not None:
+        machine[IMPORTS] = imports
     if machine:
         out[machine_key()] = machine
     return out
