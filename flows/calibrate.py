@@ -16,6 +16,7 @@ from tokenmill.calibrate import (
     plot_calibration,
 )
 from tokenmill.engines import engine_scope
+from tokenmill.errors import TokenmillError
 from tokenmill.flows.results import CalibrationRecord, PlanRecord
 from tokenmill.index import plan_index
 from tokenmill.planning import (
@@ -96,17 +97,16 @@ def plan_flow(spec: PrefectJob, window_hours: float, tokens_per_s_per_gpu: float
             calibration = Calibration.model_validate(json.loads(Path(calibration_file).read_text()))
             tokens_per_s_per_gpu = calibration.plateau_tokens_per_s
             source = f"calibrated at batch size {calibration.plateau_batch_size}, {calibration_file}"
-        elif local_measured:
+        elif local.engine_seconds > 0:  # measured here, else a stated default (a gate's candidate before its verdict)
             tokens_per_s_per_gpu = local.tokens / local.engine_seconds
-            source = f"{local.engine} on this machine: {local.part('engine').source}"
+            source = (f"{local.engine} on this machine"
+                      f"{'' if local_measured else ', a default (never measured here: calibrate to measure it)'}: "
+                      f"{local.part('engine').source}")
             engine_start_seconds = local.part("engine start").seconds
-        elif spec.model.engine == "auto":  # one runnable engine: chosen without a trial, so nothing measured
-            raise ValueError(f"engine auto: {choice.reason if choice else 'no trial'}, so no trial measured this "
-                             "machine; give tokens_per_s_per_gpu (--tokens-per-s) or calibration_file from "
-                             "tokenmill calibrate")
-        else:
-            raise ValueError("give tokens_per_s_per_gpu, or calibration_file from tokenmill calibrate, "
-                             "or engine: auto (its trial measures this machine)")
+        else:  # every shard's output is here already: this machine's run would compute nothing to read a rate from
+            raise TokenmillError(f"every shard of this job is done here (its outputs under {spec.output}): this "
+                                 "machine's prediction computes nothing to read a rate from; give --tokens-per-s, "
+                                 "or --calibration from tokenmill calibrate")
     else:
         source = "given"
     plan = make_plan(spec, estimate, tokens_per_s_per_gpu, window_hours, straggler_margin,

@@ -199,6 +199,27 @@ def test_plan_without_a_rate_uses_the_engine_trial(trial_cache, corpus, tmp_path
     assert "predicted wall" in plan_text and "on transformers" in plan_text
 
 
+def test_plan_on_an_engine_never_measured_here_plans_on_its_stated_default_and_says_so(trial_cache, corpus, tmp_path):
+    """No trial and no run measured the named engine here: the plan's rate is the one this machine's prediction
+    states as a default (never an error asking for a figure), and its rate source says it is one."""
+    import mlflow
+
+    from tokenmill.cli import main
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert main(["plan", "--input", str(corpus), "--window", "2h", "--tracking-uri", uri, "--experiment", "plans",
+                 "--set", "model.engine=transformers"]) == 0
+    mlflow.set_tracking_uri(uri)
+    (plan_run,) = mlflow.search_runs(experiment_names=["plans"], output_format="list")
+    metrics, source = plan_run.data.metrics, plan_run.data.params["rate_source"]
+    from tokenmill.prediction import predict_job
+
+    local = predict_job(JobSpec(input=str(corpus), model={"engine": "transformers"}))  # what the plan read
+    assert local.part("engine").is_default and local.engine_seconds > 0
+    assert metrics["plan_tokens_per_s_per_gpu"] == pytest.approx(local.tokens / local.engine_seconds, rel=1e-3)
+    assert source.startswith("transformers on this machine, a default (never measured here") and "default:" in source
+
+
 def test_auto_keeps_the_shard_keys_of_jobs_that_never_named_an_engine(corpus):
     from tokenmill.results import shard_cache_key
     from tokenmill.shards import discover_shards_for

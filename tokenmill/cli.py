@@ -281,10 +281,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tokenmill.flows.calibrate import plan_flow
 
     spec = spec_from_args(args)
-    if args.tokens_per_s is None and not args.calibration and spec.model.engine != "auto":
-        print("tokenmill: error: give --calibration (from tokenmill calibrate) or --tokens-per-s, or leave the "
-              "engine to auto (its trial measures this machine)", file=sys.stderr)
-        return 2
     result = plan_flow(spec, parse_window(args.window), args.tokens_per_s, args.calibration,
                        args.margin, args.preemptions_per_gpu_hour, args.engine_start_s, args.sample_rows)
     print(result.plan)
