@@ -661,6 +661,8 @@ def test_a_command_probes_the_interpreter_once_a_process_and_nothing_else_does(m
         assert prediction.command_imports_seconds() is None
         timeline.mark("command_ready")
         assert prediction.command_interpreter_ms() == 12.35 and prediction.command_interpreter_ms() == 12.35
+        assert prediction.command_imports_seconds() is None  # main() called in this (pytest's) process
+        timeline.mark("command_process")  # as cli.command marks it in a process started as the command
         since_start = time.time() - timeline.process_started()  # this process's start to now: the imports' bound
         assert 0 < prediction.command_imports_seconds() <= since_start + 0.01
         assert len(calls) == 1  # once a process

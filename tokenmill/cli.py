@@ -433,6 +433,9 @@ def command() -> None:
     ended, logging flushed), flushes stdout and stderr, and ends with the exit status. An error
     that escapes main takes the ordinary path (traceback, status 1).
     """
+    from tokenmill import timeline
+
+    timeline.mark("command_process")  # a process started as the command, not main() called in another's
     code = main()
     shutdown = getattr(threading, "_shutdown", None)  # CPython's own first step of exiting
     if shutdown is None:

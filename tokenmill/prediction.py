@@ -528,10 +528,11 @@ _interpreter_probed: float | None = None
 
 def command_imports_seconds() -> float | None:
     """A command's imports' wall seconds: its process's start to command_ready (tokenmill.cli: Python's start,
-    Prefect's and pydantic's imports, the parser), where the process is a command's and this its first job
-    (machine_speed); None elsewhere."""
+    Prefect's and pydantic's imports, the parser), where the process was started as the command (cli.command
+    marked command_process: not main() called in a notebook's or a test's long-lived process, whose start is
+    not the command's) and this is its first job (machine_speed); None elsewhere."""
     marks = timeline.marks()
-    if not timeline.measures_process() or "command_ready" not in marks:
+    if not timeline.measures_process() or not {"command_process", "command_ready"} <= set(marks):
         return None
     return round(max(marks["command_ready"] - timeline.process_started(), 0.01), 2)
 
