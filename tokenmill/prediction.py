@@ -463,35 +463,45 @@ def machine_speed() -> tuple[float, str]:
     MiniLM and SmolLM2 starts, the API's first start and transformers' start missed a figure at speed 1 times
     the probe's factor by 12-17% rms, times the imports' by 8-13%, times the two's geometric mean by 3-8%.
     1.0 before any command measured either (a library call does not start at a command)."""
-    factor, why = speed_by_interpreter()
-    imports = machine_figure(IMPORTS, command_imports_seconds)
-    if imports:
-        seconds = statistics.median(imports)
-        by_imports = min(max(seconds / DEFAULT_SECONDS["python imports"], 0.5), 4.0)
-        said = (f"the median of {len(imports)} commands' imports here, {seconds:.1f} s" if len(imports) > 1 else
-                f"a command's imports here, {seconds:.1f} s") + f", against {DEFAULT_SECONDS['python imports']:g} s"
-        if why:
-            factor, why = math.sqrt(factor * by_imports), (
-                f"this machine's speed: the geometric mean of {factor:.2f} ({why.split(': ', 1)[1]}) and "
-                f"{by_imports:.2f} ({said})")
-        else:
-            factor, why = by_imports, f"this machine's speed: {said}"
-    return factor, f" x {factor:.2f} ({why})" if why else ""
+    found = [speed for speed in (interpreter_speed(), imports_speed()) if speed is not None]
+    if not found:
+        return 1.0, ""
+    if len(found) == 1:
+        factor, why = found[0]
+    else:
+        (by_probe, probe_said), (by_imports, imports_said) = found
+        factor = math.sqrt(by_probe * by_imports)
+        why = f"the geometric mean of {by_probe:.2f} ({probe_said}) and {by_imports:.2f} ({imports_said})"
+    return factor, f" x {factor:.2f} (this machine's speed: {why})"
 
 
 def speed_by_interpreter() -> tuple[float, str]:
-    """machine_speed's factor, and what it is from ("" where nothing measured it)."""
-    measured = machine_figure(INTERPRETER, command_interpreter_ms)
+    """The interpreter probe's factor alone, and what it is from ("" where nothing measured it)."""
+    found = interpreter_speed()
+    return (found[0], f"this machine's speed: {found[1]}") if found else (1.0, "")
+
+
+def interpreter_speed() -> tuple[float, str] | None:
+    return stored_speed(INTERPRETER, command_interpreter_ms, DEFAULT_INTERPRETER_MS, "ms",
+                        "commands' interpreter probes", "the interpreter probe")
+
+
+def imports_speed() -> tuple[float, str] | None:
+    return stored_speed(IMPORTS, command_imports_seconds, DEFAULT_SECONDS["python imports"], "s",
+                        "commands' imports", "a command's imports")
+
+
+def stored_speed(name: str, measure: Callable[[], float | None], reference: float, unit: str, many: str,
+                 one: str) -> tuple[float, str] | None:
+    """A machine figure (machine_figure: the median of the commands' last KEEP_LAST here) over the defaults'
+    machine's, bounded to 0.5-4, and what it is from; None where nothing measured it."""
+    measured = machine_figure(name, measure)
     if not measured:
-        return 1.0, ""
-    if len(measured) > 1:
-        ms = statistics.median(measured)
-        why = f"the median of {len(measured)} commands' interpreter probes here, {ms:.1f} ms"
-    else:
-        ms = measured[0]
-        why = f"the interpreter probe here, {ms:.1f} ms"
-    return (min(max(ms / DEFAULT_INTERPRETER_MS, 0.5), 4.0),
-            f"this machine's speed: {why}, against {DEFAULT_INTERPRETER_MS:g} ms")
+        return None
+    value = statistics.median(measured)
+    said = f"the median of {len(measured)} {many} here" if len(measured) > 1 else f"{one} here"
+    return (min(max(value / reference, 0.5), 4.0),
+            f"{said}, {value:.1f} {unit}, against {reference:g} {unit}")
 
 
 def machine_figure(name: str, measure: Callable[[], float | None]) -> list[float]:
