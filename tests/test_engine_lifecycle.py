@@ -97,8 +97,8 @@ def test_the_flow_closes_its_vllm_engine_when_it_ends(tmp_path, corpus):
 
 @pytest.mark.engine
 def test_cli_run_embed_exits_0_every_time(tmp_path, corpus):
-    # The abort at exit was intermittent (exit 0, 134, 134 in three runs): run it several times.
-    for attempt in range(3):
+    # The abort at exit was intermittent (exit 0, 134, 134 in three runs): run it more than once.
+    for attempt in range(2):
         out = tmp_path / f"emb-{attempt}"
         done = tokenmill("run", "--input", str(corpus), "--output", str(out), "--no-progress",
                          "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--set", SMALL_VLLM, cwd=tmp_path)
