@@ -39,17 +39,6 @@ class LocalOutput:
         self.uri = str(tmp_path / "out")
         self.options: dict = {}
 
-    def listdir(self, name):
-        path = os.path.join(self.uri, name)
-        return set(os.listdir(path)) if os.path.exists(path) else set()
-
-    def read(self, text):
-        with open(os.path.join(self.uri, text)) as handle:
-            return handle.read()
-
-    def exists(self, name):
-        return os.path.exists(os.path.join(self.uri, name))
-
     def table(self, name=""):
         return pq.read_table(os.path.join(self.uri, name) if name else self.uri)
 
@@ -171,8 +160,8 @@ def test_two_runs_of_the_same_job_at_once_end_with_one_complete_output(tmp_path)
 
     out = tmp_path / "out"
     assert not list(out.rglob("*.tmp-*"))  # no temporary file left behind
-    outputs = pq.read_table(out).column("id").to_pylist()
-    rejects = pq.read_table(out / "_rejects").column("id").to_pylist()
+    outputs = output.table().column("id").to_pylist()
+    rejects = output.table("_rejects").column("id").to_pylist()
     assert sorted(outputs + rejects) == ids
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["complete"] and manifest["totals"]["rows_in"] == 600
