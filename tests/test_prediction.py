@@ -580,7 +580,7 @@ def test_a_main_thread_with_no_engine_starting_beside_it_is_read_apart():
 def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_path, monkeypatch):
     """A default is a quiet reference machine's figure: scaled by this machine's speed (the first command's
     interpreter probe here against the reference's), seconds up and tokens/s down; once stored, every command reads
-    the same figure, until runs probed here: then their median. A library call that never measured it leaves the defaults as stated."""
+    the same figure, until runs probed here: then their lower quartile. A library call that never measured it leaves the defaults as stated."""
     from tokenmill import prediction
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
@@ -599,21 +599,21 @@ def test_defaults_scale_by_the_machines_speed_stored_once_for_every_command(tmp_
     monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
     measured = {"cpu-test|vllm|embed": {"exit": [1.0]}}
     assert prediction.stored(measured, "cpu-test|vllm|embed", "exit", 3.5)[0] == 1.0  # a measured part: as measured
-    # each run adds its command's probe (any job): their median, not one process's figure
-    for probed in (20.0, 24.0, 90.0):  # 90: one loaded run
+    # each run adds its command's probe (any job): their lower quartile, not one process's figure
+    for probed in (24.0, 20.0, 90.0):  # 90: one loaded run
         prediction.remember_parts({"cpu-test|machine": {prediction.INTERPRETER: probed}})
     prediction.remember_parts({"other-device|machine": {prediction.INTERPRETER: 200.0}})  # another device's
     factor, why = prediction.machine_speed()
-    median = statistics.median([2 * prediction.DEFAULT_INTERPRETER_MS, 20.0, 24.0, 90.0])
-    assert factor == pytest.approx(median / prediction.DEFAULT_INTERPRETER_MS)  # of 2x the default, 20, 24, 90
-    assert f"the median of 4 commands' interpreter probes here, {median:.1f} ms" in why
+    lowest = 20.0  # the lower quartile of 4: the lowest: 2x the default (21.4), 24, 20, 90
+    assert factor == pytest.approx(lowest / prediction.DEFAULT_INTERPRETER_MS)
+    assert f"the lower quartile of 4 commands' interpreter probes here, {lowest:.1f} ms" in why
     # with the commands' imports' wall seconds stored beside the probe: the two factors' geometric mean
-    by_probe = median / prediction.DEFAULT_INTERPRETER_MS
+    by_probe = lowest / prediction.DEFAULT_INTERPRETER_MS
     prediction.remember_parts({"cpu-test|machine": {prediction.IMPORTS: 4 * prediction.DEFAULT_SECONDS["python imports"]}})
     factor, why = prediction.machine_speed()
     assert factor == pytest.approx(math.sqrt(by_probe * 4.0))
-    assert why.startswith(f" x {factor:.2f} (this machine's speed: the geometric mean of {by_probe:.2f} (the median "
-                          f"of 4 commands' interpreter probes here, {median:.1f} ms, against ")
+    assert why.startswith(f" x {factor:.2f} (this machine's speed: the geometric mean of {by_probe:.2f} (the lower "
+                          f"quartile of 4 commands' interpreter probes here, {lowest:.1f} ms, against ")
     assert why.endswith(" ms) and 4.00 (a command's imports here, 5.6 s, against 1.4 s))")
     seconds, source = prediction.stored({}, "cpu-test|vllm|embed", "exit", 3.5)
     assert seconds == pytest.approx(3.5 * factor) and "geometric mean" in source
@@ -722,6 +722,87 @@ def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_inte
     assert prediction.compute_speed("embed")[0] == pytest.approx(3.0, rel=1e-4)  # median of 1.25, 3.0, 3.5
     gflops = device.core_gflops()  # the real probe: one core's float32 products, a positive finite rate
     assert 0.1 < gflops < 10_000
+
+
+def test_a_commands_model_probe_rules_a_first_prediction_measured_as_its_own_part_and_a_library_call_never_runs_it(
+        tmp_path, monkeypatch):
+    """The first command that predicts an embedding job on a CPU no run measured probes a MiniLM-shaped encoder
+    as the transformers engine runs it (tokenmill.device.model_tokens_per_s, a real run here), stores it, and
+    divides the transformers default by it times the cores, the other engines' by their ratios to it; the
+    probe's seconds are a part of the prediction and not the main thread's stored seconds; a later command
+    reads the stored figure; a library call that no command started falls back to the products' probe and
+    never runs a model; a run's measurement rules over both."""
+    from tokenmill import device, prediction, timeline
+    from tokenmill.spec import JobSpec
+
+    job = JobSpec.model_validate({"input": "in", "mode": "embed", "model": {"name": "all-MiniLM-L6-v2"}})
+    rate = device.model_tokens_per_s()
+    assert rate is not None and 10 < rate < 10_000_000  # one core's tokens/s, parsed from a fresh interpreter
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
+    monkeypatch.setattr(prediction, "usable_cores", lambda: 2)
+    monkeypatch.setattr(prediction, "core_gflops", lambda: prediction.DEFAULT_GFLOPS / 2)  # factor 1.0
+    reference = prediction.default_rate("transformers", "embed")
+    calls = []
+    monkeypatch.setattr(prediction, "model_tokens_per_s", lambda: calls.append(1) or reference / 8)
+    monkeypatch.setattr(prediction, "_model_probed", None)
+    kept = dict(timeline._marks), timeline._first_job
+    try:
+        timeline.reset()
+        timeline._first_job = True
+        factor, why = prediction.compute_speed("embed")  # a library call: the products' probe, no model
+        assert factor == pytest.approx(1.0) and "matrix products" in why and calls == []
+        monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "fresh"))
+        timeline.mark("command_ready")
+        timeline.mark("cli_ready")  # a run's: a plan's probe predicts a run that will not probe
+        factor, why = prediction.compute_speed("embed")
+        assert factor == pytest.approx(4.0 / prediction.MODEL_PROBE_SCALE, rel=1e-4) and "MiniLM-shaped" in why and calls == [1]
+        assert prediction.default_rate_here("openvino", "embed", "int8") == pytest.approx(
+            reference / 4 * prediction.default_rate("openvino", "embed", "int8") / reference, rel=1e-4)
+        marks = timeline.marks()
+        assert {"model_probe_start", "model_probe_done"} <= set(marks)
+        apart = prediction.main_thread_parts(job, prediction.JobSample(rows=24, shards=1, lengths=[10]), {})
+        assert [name for name, _, _ in apart].count(prediction.MODEL_PROBE_PART) == 1
+        timeline.reset()  # another command, the figure stored: read, not probed again
+        timeline._first_job = True
+        timeline.mark("command_ready")
+        monkeypatch.setattr(prediction, "_model_probed", None)
+        assert prediction.compute_speed("embed")[0] == pytest.approx(4.0, rel=1e-4) and calls == [1]
+        assert prediction.MODEL_PROBE_PART not in [name for name, _, _ in prediction.main_thread_parts(
+            job, prediction.JobSample(rows=24, shards=1, lengths=[10]), {})]
+        transformers = prediction.default_rate("transformers", "embed")
+        prediction.remember_parts({"cpu-test|machine": {prediction.compute_key("embed", None, "transformers"):
+                                                        transformers / 1.5}})
+        assert prediction.compute_speed("embed")[0] == pytest.approx(1.5, rel=1e-4)  # a run's measurement rules
+    finally:
+        timeline.reset()
+        timeline._marks.update(kept[0])
+        timeline._first_job = kept[1]
+    t0 = 1000.0  # the probe's seconds, on the main thread before the prediction: not the main thread's own
+    spans = {"process": t0, "cli_ready": t0 + 3, "api_start": t0 + 3, "model_probe_start": t0 + 3.2,
+             "model_probe_done": t0 + 6.2, "early_engine_start": t0 + 7, "early_engine_ready": t0 + 9,
+             "tracking_warm": t0 + 10, "api_ready": t0 + 8, "flow_called": t0 + 10.5}
+    assert prediction._process_parts(spans, False, 2.0)[prediction.MAIN] == pytest.approx(7 - 2 - 3)
+    assert prediction._model_probe({**spans, "model_probe_start": t0 + 11, "model_probe_done": t0 + 12}) == 0.0
+
+
+def test_the_interpreter_probe_reads_its_lower_quartile_a_neighbours_slow_figures_left_out(tmp_path, monkeypatch):
+    """What slows the interpreter probe only slows it: the machine's speed reads the lower quartile of the
+    commands' last probes here (the second lowest of five), where the imports' figure stays their median."""
+    from tokenmill import prediction
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
+    reference = prediction.DEFAULT_INTERPRETER_MS
+    for ms in (2.1, 1.5, 2.2, 2.4, 1.4):
+        prediction.remember_parts({"cpu-test|machine": {prediction.INTERPRETER: ms * reference}})
+    factor, why = prediction.interpreter_speed()
+    assert factor == pytest.approx(1.5) and why.startswith("the lower quartile of 5")
+    assert prediction.lower_quartile([3.0]) == 3.0 and prediction.lower_quartile([4.0, 2.0, 3.0]) == 2.0
+    for seconds in (2.0, 1.0, 3.0):
+        prediction.remember_parts({"cpu-test|machine": {prediction.IMPORTS: seconds * prediction.DEFAULT_SECONDS["python imports"]}})
+    assert prediction.imports_speed()[0] == pytest.approx(2.0)
+    assert prediction.machine_speed()[0] == pytest.approx((1.5 * 2.0) ** 0.5)
 
 
 def test_output_length_is_read_only_from_trials_of_the_same_corpus_and_prompt():

@@ -2,7 +2,7 @@
 choice's trial cache (tokenmill.engine_choice) and the engines' own account of where they ran.
 
 A leaf: the standard library, and NVML, torch or vLLM only inside the probe that asks them (numpy inside
-the CPU's matrix-product probe, core_gflops).
+the CPU's matrix-product probe, core_gflops; torch in a fresh interpreter, model_tokens_per_s).
 """
 
 from __future__ import annotations
@@ -117,6 +117,71 @@ def core_gflops() -> float:
             a @ b
             best = min(best, time.perf_counter() - started)
     return 2 * rows * width * hidden / max(best, 1e-9) / 1e9
+
+
+# The model probe (model_tokens_per_s), a program for a fresh interpreter: two layers of a MiniLM-shaped float32
+# encoder (hidden 384, 12 heads, feed-forward 1536; random weights, seeded) run as the transformers engine runs
+# MiniLM's (tokenmill.hf_engine: every linear layer on oneDNN's mkldnn_linear, attention by torch's
+# scaled_dot_product_attention), torch held to one thread, 16 rows of 32 tokens a pass; the fastest of 9 passes
+# after a warm-up, as a 6-layer model's tokens/s. It prints nothing where torch or oneDNN is not there.
+_MODEL_PROBE = """
+import time
+try:
+    import torch
+    assert torch.backends.mkldnn.is_available() and hasattr(torch._C._nn, "mkldnn_linear")
+except Exception:
+    raise SystemExit(0)
+torch.set_num_threads(1)
+torch.manual_seed(0)
+hidden, heads, inner, rows, tokens = 384, 12, 1536, 16, 32
+def linear(n_in, n_out):
+    return (torch.randn(n_out, n_in) * n_in ** -0.5).to_mkldnn(), torch.zeros(n_out).to_mkldnn()
+def apply(x, weights):
+    out = torch._C._nn.mkldnn_linear(x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn(), *weights).to_dense()
+    return out.reshape(*x.shape[:-1], -1)
+layers = [{n: linear(*shape) for n, shape in (("q", (hidden, hidden)), ("k", (hidden, hidden)),
+          ("v", (hidden, hidden)), ("o", (hidden, hidden)), ("i", (hidden, inner)), ("out", (inner, hidden)))}
+          for _ in range(2)]
+def heads_of(y):
+    return y.view(rows, tokens, heads, hidden // heads).transpose(1, 2)
+def forward(x):
+    for w in layers:
+        a = torch.nn.functional.scaled_dot_product_attention(*(heads_of(apply(x, w[n])) for n in "qkv"))
+        x = torch.nn.functional.layer_norm(x + apply(a.transpose(1, 2).reshape(rows, tokens, hidden), w["o"]), (hidden,))
+        x = torch.nn.functional.layer_norm(x + apply(torch.nn.functional.gelu(apply(x, w["i"])), w["out"]), (hidden,))
+    return x
+x = torch.randn(rows, tokens, hidden)
+best = float("inf")
+with torch.inference_mode():
+    forward(x)
+    for _ in range(9):
+        started = time.perf_counter()
+        forward(x)
+        best = min(best, time.perf_counter() - started)
+print(rows * tokens / best * 2 / 6)
+"""
+
+
+def model_tokens_per_s() -> float | None:
+    """One CPU core's float32 tokens/s through a MiniLM-shaped encoder run the way the transformers engine runs
+    MiniLM (_MODEL_PROBE: oneDNN's linear layers, torch's attention, one thread, the fastest of 9 passes), in a
+    fresh interpreter (2-4 s, mostly torch's import) so that it leaves nothing imported or threaded in the
+    process that asks; None where torch or its oneDNN is not there or the probe fails. Where core_gflops reads
+    one cache-resident product, this reads a model's layers as the engine runs them, in the engine's library:
+    two 2-core EPYCs of one type (family 25, model 17) whose numpy products probed 20-30% apart (92-101 GFLOP/s
+    a core on one, 120-130 on the other) ran MiniLM on the transformers engine 2x apart (5,040-6,730 tokens/s
+    against 11,600-12,800). On the first this read 2,670-3,850 tokens/s a core, quiet and beside a busy
+    process (never run on the second: tokenmill.prediction.MODEL_PROBE_SCALE)."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", _MODEL_PROBE], capture_output=True, text=True,
+                              timeout=120, check=True)
+        rate = float(done.stdout) if done.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return rate if rate and rate > 0 else None
 
 
 # The interpreter probe (interpreter_ms), a program for a fresh interpreter: a module's body of 60 functions and

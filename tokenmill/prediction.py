@@ -47,7 +47,7 @@ from pydantic import BaseModel
 
 from tokenmill import call_costs, timeline
 from tokenmill.answer_probe import probe_answers
-from tokenmill.device import core_gflops, device_label, interpreter_ms, usable_cores
+from tokenmill.device import core_gflops, device_label, interpreter_ms, model_tokens_per_s, usable_cores
 from tokenmill.engine_choice import (
     TRIAL_MAX_TOKENS,
     TRIAL_ROWS,
@@ -290,6 +290,15 @@ GATE_VERDICT_KEPT_SECONDS = 0.1
 GATE_MEASURED, GATE_KEPT, GATE_BESIDES = "gate", "gate, verdict kept", "gate besides the models' samples"
 MEASURED_RATE = "tokens/s measured"  # per mode, quantization and engine, under machine_key(): see compute_speed
 PROBE = "float32 GFLOP/s a core"  # under machine_key(): see probe_speed
+MODEL_PROBE = "MiniLM-shaped float32 tokens/s a core"  # under machine_key(): see probe_speed
+MODEL_PROBE_PART = "the machine's model probe"  # a first command's, on the main thread before it predicts: measured
+# The transformers engine's float32 MiniLM tokens/s in whole runs over the model probe's tokens/s a core times
+# the cores (tokenmill.device.model_tokens_per_s), on a CPU no run has measured. On a 2-core AMD EPYC with AVX-512
+# VNNI (2026-12-02) the probe read 2,670-3,130 tokens/s a core (median ~2,950) and the engine's whole runs of the
+# bench's corpora 5,040-6,730 tokens/s (bench/PREDICTION.md runs 33a-b, median ~6,000): 1.0. Its numpy products
+# there (core_gflops: 92-101 GFLOP/s a core, 1/1.16 of DEFAULT_GFLOPS) put the engine at ~9,950 tokens/s with the
+# class's speedup, and `make run`'s first OpenVINO int8 corpus at 84.9 s of engine against 54.7.
+MODEL_PROBE_SCALE = 1.0
 INTERPRETER = "interpreter probe, ms"  # under machine_key(): see machine_speed
 IMPORTS = "a command's imports, s"  # under machine_key(): see machine_speed
 # The interpreter probe's milliseconds (tokenmill.device.interpreter_ms) on the defaults' machine. Set so that the
@@ -482,8 +491,13 @@ def speed_by_interpreter() -> tuple[float, str]:
 
 
 def interpreter_speed() -> tuple[float, str] | None:
+    """The interpreter probe's factor, from the lower quartile of the commands' last probes here (lower_quartile),
+    not their median: what slows the probe (a neighbour's work on a shared host) only slows it, and the starts
+    it scales did not follow: on a 2-core EPYC (bench/PREDICTION.md runs 33a-b) it read 14.3-26.2 ms within
+    one bench while vLLM's first SmolLM2 starts held within 4% (133.1 and 138.0 s), and the median of five
+    at 22.9 ms put the second at 180.5 s (its job +25.2%) where the lower quartile's 15.9 ms put it at ~150."""
     return stored_speed(INTERPRETER, command_interpreter_ms, DEFAULT_INTERPRETER_MS, "ms",
-                        "commands' interpreter probes", "the interpreter probe")
+                        "commands' interpreter probes", "the interpreter probe", low=True)
 
 
 def imports_speed() -> tuple[float, str] | None:
@@ -492,16 +506,23 @@ def imports_speed() -> tuple[float, str] | None:
 
 
 def stored_speed(name: str, measure: Callable[[], float | None], reference: float, unit: str, many: str,
-                 one: str) -> tuple[float, str] | None:
-    """A machine figure (machine_figure: the median of the commands' last KEEP_LAST here) over the defaults'
-    machine's, bounded to 0.5-4, and what it is from; None where nothing measured it."""
+                 one: str, low: bool = False) -> tuple[float, str] | None:
+    """A machine figure (machine_figure: the median of the commands' last KEEP_LAST here, or with `low` their
+    lower quartile) over the defaults' machine's, bounded to 0.5-4, and what it is from; None where nothing
+    measured it."""
     measured = machine_figure(name, measure)
     if not measured:
         return None
-    value = statistics.median(measured)
-    said = f"the median of {len(measured)} {many} here" if len(measured) > 1 else f"{one} here"
+    value = lower_quartile(measured) if low else statistics.median(measured)
+    said = (f"the {'lower quartile' if low else 'median'} of {len(measured)} {many} here" if len(measured) > 1
+            else f"{one} here")
     return (min(max(value / reference, 0.5), 4.0),
             f"{said}, {value:.1f} {unit}, against {reference:g} {unit}")
+
+
+def lower_quartile(values: list[float]) -> float:
+    """The lower quartile of a few figures, as one of them: the second lowest of 5, the lowest of 2-4."""
+    return sorted(values)[(len(values) - 1) // 4]
 
 
 def machine_figure(name: str, measure: Callable[[], float | None]) -> list[float]:
@@ -622,22 +643,52 @@ def compute_speed(mode: str, quantization: str | None = None) -> tuple[float, st
 
 
 def probe_speed() -> tuple[float, str] | None:
-    """On a CPU: the defaults' machine's matrix-product rate over this one's (tokenmill.device.core_gflops:
-    one core's, times the cores this process may use), for engine rates before any run here measured one.
-    The first command that predicts here stores its probe under machine_key() and every later one reads
-    that figure, so plan, calibrate and run of one job divide their default rates alike. None on a GPU
-    (the probe reads the CPU) or where numpy cannot run it."""
+    """On a CPU, before any run here measured an engine: how much slower than their defaults engines compute
+    here, by a probe. A command's (the first that predicts here, on its main thread before it predicts, 2-4 s:
+    MODEL_PROBE_PART) runs a MiniLM-shaped encoder as the transformers engine runs it (model_tokens_per_s) and
+    reads the engine's float32 default over that rate times the cores (MODEL_PROBE_SCALE); every later command
+    reads the figure it stored, so plan, calibrate and run of one job divide their default rates alike, and the
+    other engines' defaults follow from their ratios to the transformers engine's (DEFAULT_SPEEDUP). Where no
+    command has probed (a library call, or no torch here): the defaults' machine's matrix-product rate over this
+    one's (tokenmill.device.core_gflops, one core's, times the cores), stored alike; a command's model probe
+    rules once stored. The products' probe read two EPYCs of one type 20-30% apart where their transformers
+    engines ran 2x apart (tokenmill.device.model_tokens_per_s). None on a GPU (the probes read the CPU) or where neither can run."""
     if not device_label().startswith("cpu"):
         return None
+    cores = usable_cores()
+    modelled = machine_figure(MODEL_PROBE, command_model_probe)
+    if modelled:
+        per_core = statistics.median(modelled)
+        reference = default_rate("transformers", "embed")
+        factor = min(max(reference / (per_core * cores * MODEL_PROBE_SCALE), 0.25), 8.0)
+        return factor, (f" / {factor:.2f} (this machine's compute before any run here: a MiniLM-shaped float32 "
+                        f"encoder probed at {per_core:,.0f} tokens/s a core x {cores} cores, against the "
+                        f"transformers engine's default {reference:,.0f})")
     measured = machine_figure(PROBE, _probe_core)
     if not measured:
         return None
     per_core = statistics.median(measured)
-    cores = usable_cores()
     factor = min(max(DEFAULT_GFLOPS / (per_core * cores), 0.25), 8.0)
     return factor, (f" / {factor:.2f} (this machine's compute before any run here: a core's float32 matrix "
                     f"products at {per_core:,.0f} GFLOP/s x {cores} cores, against the defaults' "
                     f"{DEFAULT_GFLOPS:,.0f})")
+
+
+_model_probed: float | None = None
+
+
+def command_model_probe() -> float | None:
+    """The model probe's tokens/s a core (model_tokens_per_s), measured once a process, where the process is a
+    command's (it marked command_ready: tokenmill.cli) and this is its first job, its span marked for the
+    prediction (MODEL_PROBE_PART) and the main thread's measured parts; None elsewhere or where it cannot run."""
+    if not timeline.measures_process() or "command_ready" not in timeline.marks():
+        return None
+    global _model_probed
+    if _model_probed is None:
+        timeline.mark("model_probe_start")
+        _model_probed = round(model_tokens_per_s() or 0.0, 1)  # as stored: later commands read what this one read
+        timeline.mark("model_probe_done")
+    return _model_probed or None
 
 
 def _probe_core() -> float | None:
@@ -1120,7 +1171,8 @@ def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any]) -
     """The main thread's work measured apart from the rest of it, (name, seconds, source) each: reading the
     job's sample; opening MLflow's store, or creating it where it is not there yet (a first run's); and
     writing the demo's sample corpus, where this process did before it predicted (a first `tokenmill run`
-    of the demo: measured, since it is done); generating the answers' probe, where this process did
+    of the demo: measured, since it is done); the machine's model probe, where this process ran it (a first
+    command here: probe_speed); generating the answers' probe, where this process did
     (tokenmill.answer_probe: measured too; with the start of its engine where that is auto's trials' first,
     not the job's)."""
     read, read_source = reading_part(parts, spec.mode, sample.read_tokens)
@@ -1129,6 +1181,12 @@ def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any]) -
     written = _span(marks, "sample_corpus_start", "sample_corpus_written")
     if written and timeline.measures_process():
         out.append(("writing the sample corpus", written, "this process wrote it before it predicted, measured"))
+    modelled = _span(marks, "model_probe_start", "model_probe_done")
+    if modelled and timeline.measures_process() and marks.get("cli_ready", math.inf) <= marks["model_probe_start"]:
+        # a run's (tokenmill.cli marks cli_ready in `run` only): a plan or a calibration that probed predicts a run
+        # that will not
+        out.append((MODEL_PROBE_PART, modelled, "the first command here probed its compute before it predicted "
+                    "(tokenmill.device.model_tokens_per_s), measured"))
     probed = _span(marks, "answer_probe_start", "answer_probe_done")
     if probed and timeline.measures_process():
         started = "" if "early_engine_start" in marks else f", {sample.probe_engine}'s start within it"
@@ -1384,6 +1442,8 @@ def predict_job(spec: JobSpec, probe: bool = False) -> Prediction:
     """The one prediction of a job on this machine: `tokenmill plan`, `calibrate` and `run` call this.
     probe: `tokenmill run`'s, which measures a generation corpus's answers first where nothing here has
     (tokenmill.answer_probe), once the sample is read and the row cache's share estimated without its rows."""
+    if spec.mode == "embed":
+        compute_speed("embed")  # a first command's model probe (probe_speed) before the parts that measure it
     if spec.gate is not None:
         prediction = predict_gated(spec)
     else:
@@ -1637,7 +1697,7 @@ def _process_parts(marks: dict[str, float], trials_ran: bool, elsewhere: float) 
     no engine starting beside it, apart too (MAIN_ALONE)."""
     main = (_span(marks, "cli_ready", "tracking_warm") - elsewhere - _reading(marks) - _tracking(marks)[1]
             - _span(marks, "sample_corpus_start", "sample_corpus_written")
-            - _span(marks, "answer_probe_start", "answer_probe_done"))
+            - _span(marks, "answer_probe_start", "answer_probe_done") - _model_probe(marks))
     api = {} if "api_store_created" in marks else {"orchestrator API": _span(marks, "api_start", "api_ready")}
     return {"python imports": _span(marks, "process", "cli_ready"), **api,
             (MAIN_BESIDE_TRIAL if trials_ran else MAIN if "early_engine_start" in marks else MAIN_ALONE): main}
@@ -1684,6 +1744,15 @@ def _first_shard(marks: dict[str, float], early: float) -> tuple[float, float]:
         return prepare, 0.0
     in_shard = _span(marks, "engine_start", "engine_ready")
     return prepare - in_shard, in_shard
+
+
+def _model_probe(marks: dict[str, float]) -> float:
+    """The model probe's seconds (MODEL_PROBE_PART), where this process ran it on the main thread between the
+    command's start and the warm tracking store (its prediction's)."""
+    start = marks.get("model_probe_start", 0.0)
+    if not marks.get("cli_ready", math.inf) <= start <= marks["tracking_warm"]:
+        return 0.0
+    return _span(marks, "model_probe_start", "model_probe_done")
 
 
 def _reading(marks: dict[str, float]) -> float:
