@@ -55,6 +55,12 @@ def job_a(tmp_path_factory):
 def test_plan_calibrate_and_run_print_one_prediction_for_one_job(job_a):
     lines = job_a["lines"]
     assert lines["plan"] == lines["calibrate"] == lines["run"]
+    # the first command (calibrate) probed the model for the three and stored it; none predicts the probe's
+    # seconds for the run, which did not probe
+    from tokenmill.prediction import MODEL_PROBE
+    stored = json.loads((job_a["cache"] / "run-parts.json").read_text())
+    assert [v[MODEL_PROBE] for k, v in stored.items() if k.endswith("|machine") and MODEL_PROBE in v][0][0] > 0
+    assert not any("model probe" in line for line in lines.values())
     # on a machine (cache) nothing has measured yet, every fixed part says it is a default, and which
     assert "python imports" in lines["run"] and "default: never measured here" in lines["run"]
     assert re.search(r"engine start [\d.]+ s \(transformers: default: never measured here", lines["run"])
@@ -690,6 +696,7 @@ def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_inte
     monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
     monkeypatch.setattr(prediction, "usable_cores", lambda: 2)
     probes = []
+    monkeypatch.setattr(prediction, "command_model_probe", lambda: None)  # a library call's: no model probe
     monkeypatch.setattr(prediction, "core_gflops", lambda: probes.append(1) or prediction.DEFAULT_GFLOPS)
     prediction.remember_parts({"cpu-test|machine": {prediction.INTERPRETER: 3 * prediction.DEFAULT_INTERPRETER_MS}})
     factor, why = prediction.compute_speed("embed")
@@ -774,6 +781,14 @@ def test_a_commands_model_probe_rules_a_first_prediction_measured_as_its_own_par
         prediction.remember_parts({"cpu-test|machine": {prediction.compute_key("embed", None, "transformers"):
                                                         transformers / 1.5}})
         assert prediction.compute_speed("embed")[0] == pytest.approx(1.5, rel=1e-4)  # a run's measurement rules
+        # a probe that cannot run here: stored as such, the products' probe read, and no later command tries again
+        monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "no-torch"))
+        monkeypatch.setattr(prediction, "model_tokens_per_s", lambda: calls.append(2) or None)
+        monkeypatch.setattr(prediction, "_model_probed", None)
+        factor, why = prediction.compute_speed("embed")
+        assert factor == pytest.approx(1.0) and "matrix products" in why and calls == [1, 2]
+        monkeypatch.setattr(prediction, "_model_probed", None)  # another command's process
+        assert "matrix products" in prediction.compute_speed("embed")[1] and calls == [1, 2]
     finally:
         timeline.reset()
         timeline._marks.update(kept[0])

@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from tokenmill import timeline
 
-    timeline.mark("command_ready")  # a command: it probes the machine's speed (tokenmill.prediction.machine_speed)
+    timeline.mark("command_ready")  # a command: it probes the machine's speed and compute (tokenmill.prediction)
     try:
         return {"run": cmd_run, "gate": cmd_gate, "calibrate": cmd_calibrate, "plan": cmd_plan,
                 "index": cmd_index, "search": cmd_search, "sample-corpus": cmd_sample_corpus,

@@ -165,12 +165,12 @@ print(rows * tokens / best * 2 / 6)
 def model_tokens_per_s() -> float | None:
     """One CPU core's float32 tokens/s through a MiniLM-shaped encoder run the way the transformers engine runs
     MiniLM (_MODEL_PROBE: oneDNN's linear layers, torch's attention, one thread, the fastest of 9 passes), in a
-    fresh interpreter (2-4 s, mostly torch's import) so that it leaves nothing imported or threaded in the
-    process that asks; None where torch or its oneDNN is not there or the probe fails. Where core_gflops reads
-    one cache-resident product, this reads a model's layers as the engine runs them, in the engine's library:
-    two 2-core EPYCs of one type (family 25, model 17) whose numpy products probed 20-30% apart (92-101 GFLOP/s
-    a core on one, 120-130 on the other) ran MiniLM on the transformers engine 2x apart (5,040-6,730 tokens/s
-    against 11,600-12,800). On the first this read 2,670-3,850 tokens/s a core, quiet and beside a busy
+    fresh interpreter (2.4-3 s on a 2-core EPYC, mostly torch's import) so that it leaves nothing imported or
+    threaded in the process that asks; None where torch or its oneDNN is not there or the probe fails. Where
+    core_gflops reads one cache-resident product, this reads a model's layers as the engine runs them, in the
+    engine's library: two 2-core EPYCs of one type (family 25, model 17) whose numpy products probed 20-30% apart
+    (92-101 GFLOP/s a core on one, 120-130 on the other) ran MiniLM on the transformers engine 2x apart (5,040-6,730
+    tokens/s against 11,600-12,800). On the first this read 2,670-3,350 tokens/s a core, quiet and beside a busy
     process (never run on the second: tokenmill.prediction.MODEL_PROBE_SCALE)."""
     import subprocess
     import sys

@@ -214,7 +214,8 @@ DEFAULT_TOKENS_PER_S = {("vllm", "generate"): 490.0, ("transformers", "generate"
                         ("vllm", "embed"): 3_200.0}
 DEFAULT_TOKENS_PER_S_BY_MODE = {"embed": 7_000.0, "generate": 170.0}
 # The float32 matrix-product rate (GFLOP/s, a core's times the cores: tokenmill.device.core_gflops) of a machine
-# the default tokens/s above hold on, for a CPU no run has measured (probe_speed). Measured on a 2-core Xeon with
+# the default tokens/s above hold on, for a CPU no run has measured where no command could run the model probe (a
+# library call, or no torch here: probe_speed). Measured on a 2-core Xeon with
 # AVX-512 (2026-11-26): its cores probed at 163-171 GFLOP/s each, and its first runs computed at 1/0.67-1/0.69 of
 # the defaults (MiniLM: transformers 10,127 tokens/s, vLLM 4,430-4,792, at ~20 tokens a row): 0.68 x 2 x 168 = 228.
 # Not probed on the 2-core AVX2 AMD hosts most defaults came from (runs there computed at 1/1.4-1/1.6 of them): at
@@ -294,7 +295,7 @@ MODEL_PROBE = "MiniLM-shaped float32 tokens/s a core"  # under machine_key(): se
 MODEL_PROBE_PART = "the machine's model probe"  # a first command's, on the main thread before it predicts: measured
 # The transformers engine's float32 MiniLM tokens/s in whole runs over the model probe's tokens/s a core times
 # the cores (tokenmill.device.model_tokens_per_s), on a CPU no run has measured. On a 2-core AMD EPYC with AVX-512
-# VNNI (2026-12-02) the probe read 2,670-3,130 tokens/s a core (median ~2,950) and the engine's whole runs of the
+# VNNI (2026-12-02) the probe read 2,670-3,350 tokens/s a core (median ~2,950) and the engine's whole runs of the
 # bench's corpora 5,040-6,730 tokens/s (bench/PREDICTION.md runs 33a-b, median ~6,000): 1.0. Its numpy products
 # there (core_gflops: 92-101 GFLOP/s a core, 1/1.16 of DEFAULT_GFLOPS) put the engine at ~9,950 tokens/s with the
 # class's speedup, and `make run`'s first OpenVINO int8 corpus at 84.9 s of engine against 54.7.
@@ -454,12 +455,12 @@ def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials,
 def machine_speed() -> tuple[float, str]:
     """How much slower than the machine the defaults were measured on this one is, by a probe of the
     interpreter's pace (tokenmill.device.interpreter_ms: a module's body compiled, run and called, the fastest
-    of 7 rounds) against the defaults' machine's (DEFAULT_INTERPRETER_MS). The first command that predicts on
-    this device stores its figure under machine_key(), and every run adds its own (measured_parts): the
-    median of the last KEEP_LAST. Only a run changes it, as it changes every measured part, so plan,
-    calibrate and run of one job scale their defaults alike. It scales every default: seconds up, tokens/s
-    down (two 2-core CPUs of one type here took 1.8-1.9 s and 3.3-4.8 s for a command's imports, and their
-    engine starts and rates differed by about as much). Not the imports' CPU seconds any more: on one 2-core
+    of 7 rounds) against the defaults' machine's (DEFAULT_INTERPRETER_MS). The first command that predicts on this
+    device stores its figure under machine_key(), and every run adds its own (measured_parts): the lower quartile of
+    the last KEEP_LAST (interpreter_speed). Only a run changes it, as it changes every measured part, so plan,
+    calibrate and run of one job scale their defaults alike. It scales every default: seconds up, tokens/s down (two
+    2-core CPUs of one type here took 1.8-1.9 s and 3.3-4.8 s for a command's imports, and their engine starts and
+    rates differed by about as much). Not the imports' CPU seconds any more: on one 2-core
     EPYC they read 1.33-1.35 s in three rounds of user jobs and 1.06-1.08 s in two later ones (a process's
     CPU counts its thread pools' spinning, which a busy neighbour cuts), scaling every default of a first
     run by 20% while vLLM's first starts there took 37.7-43.4 s in all of them (bench/PREDICTION.md run 27).
@@ -622,10 +623,11 @@ def compute_speed(mode: str, quantization: str | None = None) -> tuple[float, st
     here of this mode (each engine's last KEEP_LAST, any job), of an engine's default rate over the rate the run
     measured (measured_factors); for a quantized model, over runs of that quantization, else float32's
     (compute_key), never a float32 one by quantized runs.
-    Before any run, embedding on a CPU: probe_speed, its cores' matrix products against the defaults'
-    machine's. Not the interpreter's figure (machine_speed), which does not read the vector units: a 2-core
-    AMD host whose imports took 2.2x the defaults' ran MiniLM at 1/1.5-1/1.6 of their rates, and a 2-core
-    Xeon with AVX-512 whose imports took 1.07x ran it at 1/0.67-1/0.69 of them. Generation (a few rows a
+    Before any run, embedding on a CPU: probe_speed, a MiniLM-shaped encoder probed by the first command here
+    (else its cores' matrix products against the defaults' machine's). Not the interpreter's figure
+    (machine_speed), which does not read the vector units: a 2-core AMD host whose imports took 2.2x the
+    defaults' ran MiniLM at 1/1.5-1/1.6 of their rates, and a 2-core Xeon with AVX-512 whose imports took
+    1.07x ran it at 1/0.67-1/0.69 of them. Generation (a few rows a
     step, small products: the interpreter's and the memory's pace, not the vector units') by the
     interpreter's figure: that Xeon generated at 1/1.44-1/1.50 of the defaults, the AMD host at 1/2.6,
     against imports of 0.97x and 1.9x (the defaults since set from both)."""
@@ -644,20 +646,21 @@ def compute_speed(mode: str, quantization: str | None = None) -> tuple[float, st
 
 def probe_speed() -> tuple[float, str] | None:
     """On a CPU, before any run here measured an engine: how much slower than their defaults engines compute
-    here, by a probe. A command's (the first that predicts here, on its main thread before it predicts, 2-4 s:
+    here, by a probe. A command's (the first that predicts here, on its main thread before it predicts, 2.4-3 s:
     MODEL_PROBE_PART) runs a MiniLM-shaped encoder as the transformers engine runs it (model_tokens_per_s) and
     reads the engine's float32 default over that rate times the cores (MODEL_PROBE_SCALE); every later command
     reads the figure it stored, so plan, calibrate and run of one job divide their default rates alike, and the
     other engines' defaults follow from their ratios to the transformers engine's (DEFAULT_SPEEDUP). Where no
-    command has probed (a library call, or no torch here): the defaults' machine's matrix-product rate over this
-    one's (tokenmill.device.core_gflops, one core's, times the cores), stored alike; a command's model probe
-    rules once stored. The products' probe read two EPYCs of one type 20-30% apart where their transformers
-    engines ran 2x apart (tokenmill.device.model_tokens_per_s). None on a GPU (the probes read the CPU) or where neither can run."""
+    command has probed (a library call, or where the model probe cannot run): the defaults' machine's
+    matrix-product rate over this one's (tokenmill.device.core_gflops, one core's, times the cores), stored
+    alike; a command's model probe rules once stored. The products' probe read two EPYCs of one type 20-30%
+    apart where their transformers engines ran 2x apart (tokenmill.device.model_tokens_per_s). None on a GPU
+    (the probes read the CPU) or where neither can run."""
     if not device_label().startswith("cpu"):
         return None
     cores = usable_cores()
     modelled = machine_figure(MODEL_PROBE, command_model_probe)
-    if modelled:
+    if modelled and statistics.median(modelled) > 0:  # 0: a command's probe that could not run here, stored
         per_core = statistics.median(modelled)
         reference = default_rate("transformers", "embed")
         factor = min(max(reference / (per_core * cores * MODEL_PROBE_SCALE), 0.25), 8.0)
@@ -680,7 +683,8 @@ _model_probed: float | None = None
 def command_model_probe() -> float | None:
     """The model probe's tokens/s a core (model_tokens_per_s), measured once a process, where the process is a
     command's (it marked command_ready: tokenmill.cli) and this is its first job, its span marked for the
-    prediction (MODEL_PROBE_PART) and the main thread's measured parts; None elsewhere or where it cannot run."""
+    prediction (MODEL_PROBE_PART) and the main thread's measured parts; 0.0 where it cannot run here (stored as
+    such, so later commands do not try again: probe_speed falls back to the products' probe); None elsewhere."""
     if not timeline.measures_process() or "command_ready" not in timeline.marks():
         return None
     global _model_probed
@@ -688,7 +692,7 @@ def command_model_probe() -> float | None:
         timeline.mark("model_probe_start")
         _model_probed = round(model_tokens_per_s() or 0.0, 1)  # as stored: later commands read what this one read
         timeline.mark("model_probe_done")
-    return _model_probed or None
+    return _model_probed
 
 
 def _probe_core() -> float | None:
