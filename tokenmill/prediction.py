@@ -660,8 +660,8 @@ def probe_speed() -> tuple[float, str] | None:
         return None
     cores = usable_cores()
     modelled = machine_figure(MODEL_PROBE, command_model_probe)
-    if modelled and statistics.median(modelled) > 0:  # 0: a command's probe that could not run here, stored
-        per_core = statistics.median(modelled)
+    per_core = statistics.median(modelled) if modelled else 0.0  # 0: a command's probe that could not run, stored
+    if per_core > 0:
         reference = default_rate("transformers", "embed")
         factor = min(max(reference / (per_core * cores * MODEL_PROBE_SCALE), 0.25), 8.0)
         return factor, (f" / {factor:.2f} (this machine's compute before any run here: a MiniLM-shaped float32 "
@@ -1750,22 +1750,23 @@ def _first_shard(marks: dict[str, float], early: float) -> tuple[float, float]:
     return prepare - in_shard, in_shard
 
 
-def _model_probe(marks: dict[str, float]) -> float:
-    """The model probe's seconds (MODEL_PROBE_PART), where this process ran it on the main thread between the
-    command's start and the warm tracking store (its prediction's)."""
-    start = marks.get("model_probe_start", 0.0)
-    if not marks.get("cli_ready", math.inf) <= start <= marks["tracking_warm"]:
+def _before_prediction(marks: dict[str, float], start: str, end: str) -> float:
+    """A span of the main thread's that began between the command's start and the warm tracking store (the
+    prediction's work, not a later job's or step's); 0 elsewhere."""
+    if not marks.get("cli_ready", math.inf) <= marks.get(start, 0.0) <= marks["tracking_warm"]:
         return 0.0
-    return _span(marks, "model_probe_start", "model_probe_done")
+    return _span(marks, start, end)
+
+
+def _model_probe(marks: dict[str, float]) -> float:
+    """The model probe's seconds (MODEL_PROBE_PART), where this process ran it for its prediction."""
+    return _before_prediction(marks, "model_probe_start", "model_probe_done")
 
 
 def _reading(marks: dict[str, float]) -> float:
     """The prediction's reading of the job's sample on the main thread (READING), where this process's first
     sample was read there (between the command's start and the warm tracking store)."""
-    start = marks.get("sample_read_start", 0.0)
-    if not marks.get("cli_ready", math.inf) <= start <= marks["tracking_warm"]:
-        return 0.0
-    return _span(marks, "sample_read_start", "sample_read_done")
+    return _before_prediction(marks, "sample_read_start", "sample_read_done")
 
 
 def _gate_parts(spec: JobSpec, marks: dict[str, float], gate_samples: float | None) -> dict[str, dict[str, float]]:
