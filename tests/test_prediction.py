@@ -769,7 +769,17 @@ def test_a_commands_model_probe_rules_a_first_prediction_measured_as_its_own_par
         marks = timeline.marks()
         assert {"model_probe_start", "model_probe_done"} <= set(marks)
         apart = prediction.main_thread_parts(job, prediction.JobSample(rows=24, shards=1, lengths=[10]), {})
-        assert [name for name, _, _ in apart].count(prediction.MODEL_PROBE_PART) == 1
+        # `tokenmill run` probes before the API starts (no api_start yet): its seconds first, then the API's start
+        (probed,) = [(sec, why) for name, sec, why in apart if name == prediction.MODEL_PROBE_BEFORE_API]
+        assert prediction.MODEL_PROBE_PART not in [name for name, _, _ in apart] and "before the API" in probed[1]
+        parts = {"k": {"orchestrator API": [9.0], prediction.MAIN: [1.0], "flow start": [0.5]}}
+        alone = prediction.orchestration_part(parts, "k", 0.0, [])
+        first = prediction.orchestration_part(parts, "k", 0.0, [(prediction.MODEL_PROBE_BEFORE_API, 3.0, "m")])
+        beside = prediction.orchestration_part(parts, "k", 0.0, [(prediction.MODEL_PROBE_PART, 3.0, "m")])
+        assert (alone.seconds, first.seconds, beside.seconds) == pytest.approx((9.5, 12.5, 9.5))
+        timeline._marks["api_start"] = timeline._marks["model_probe_start"]  # a probe that ran beside the API
+        assert [name for name, _, _ in prediction.main_thread_parts(
+            job, prediction.JobSample(rows=24, shards=1, lengths=[10]), {})].count(prediction.MODEL_PROBE_PART) == 1
         timeline.reset()  # another command, the figure stored: read, not probed again
         timeline._first_job = True
         timeline.mark("command_ready")

@@ -203,6 +203,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tokenmill.tasks.warm import finish_api_start, start_api_in_background, start_engine_early, warm_tracking
 
     timeline.mark("cli_ready")
+    local = getattr(spec, "dispatch", "local") == "local"  # a fleet's workers choose their engines on their GPUs
+    if local:
+        from tokenmill.prediction import probe_machine
+
+        probe_machine(spec)  # a first command's model probe: before the API's start, which it slowed beside it
     api = start_api_in_background()  # its process starts now; the flow's imports and the engine's start overlap it
     if spec.input == DEFAULT_INPUT and not Path(DEFAULT_INPUT).exists():
         from tokenmill.sample_corpus import write_sample_corpus
@@ -214,7 +219,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from tokenmill.flows.batch import batch_flow
 
-    if getattr(spec, "dispatch", "local") == "local":  # a fleet's workers choose their engines on their GPUs
+    if local:
         from tokenmill.prediction import predict_job
 
         # before any other work (but a generation corpus's answers' probe: tokenmill.answer_probe): the record

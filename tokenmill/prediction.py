@@ -293,6 +293,8 @@ MEASURED_RATE = "tokens/s measured"  # per mode, quantization and engine, under 
 PROBE = "float32 GFLOP/s a core"  # under machine_key(): see probe_speed
 MODEL_PROBE = "MiniLM-shaped float32 tokens/s a core"  # under machine_key(): see probe_speed
 MODEL_PROBE_PART = "the machine's model probe"  # a first command's, on the main thread before it predicts: measured
+# `tokenmill run`'s, before Prefect's API starts (probe_machine): its seconds, then the API's start and the rest
+MODEL_PROBE_BEFORE_API = f"{MODEL_PROBE_PART}, then the API"
 # The transformers engine's float32 MiniLM tokens/s in whole runs over the model probe's tokens/s a core times
 # the cores (tokenmill.device.model_tokens_per_s), on a CPU no run has measured. On a 2-core AMD EPYC with AVX-512
 # VNNI (2026-12-02) the probe read 2,670-3,350 tokens/s a core (median ~2,950) and the engine's whole runs of the
@@ -1163,11 +1165,15 @@ def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
             "seconds": main["seconds"] + DEFAULT_ALONE_EXTRA * factor, "source": (
                 f"{main['source']}, + {DEFAULT_ALONE_EXTRA:g} s{speed} (default: never measured here with no engine "
                 "starting beside it)")}
-    thread = main["seconds"] + sum(seconds for _, seconds, _ in apart)
-    seconds = max(api["seconds"], thread + engine_start) - engine_start + flow["seconds"]
+    first = [(name, sec, why) for name, sec, why in apart if name == MODEL_PROBE_BEFORE_API]
+    beside = [(name, sec, why) for name, sec, why in apart if name != MODEL_PROBE_BEFORE_API]
+    thread = main["seconds"] + sum(seconds for _, seconds, _ in beside)
+    before = sum(seconds for _, seconds, _ in first)
+    seconds = before + max(api["seconds"], thread + engine_start) - engine_start + flow["seconds"]
     return Part(name="orchestration start", seconds=seconds, source=(
-        f"API {api['seconds']:.1f} s ({api['source']}) beside main thread {thread:.1f} s ({main['seconds']:.1f} s "
-        f"{main['source']}" + "".join(f"; {name} {sec:.1f} s, {why}" for name, sec, why in apart)
+        "".join(f"{name} {sec:.1f} s, {why}; then " for name, sec, why in first)
+        + f"API {api['seconds']:.1f} s ({api['source']}) beside main thread {thread:.1f} s ({main['seconds']:.1f} s "
+        f"{main['source']}" + "".join(f"; {name} {sec:.1f} s, {why}" for name, sec, why in beside)
         + f") + engine start {engine_start:.1f} s; flow start {flow['seconds']:.1f} s ({flow['source']})"))
 
 
@@ -1188,9 +1194,11 @@ def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any]) -
     modelled = _span(marks, "model_probe_start", "model_probe_done")
     if modelled and timeline.measures_process() and marks.get("cli_ready", math.inf) <= marks["model_probe_start"]:
         # a run's (tokenmill.cli marks cli_ready in `run` only): a plan or a calibration that probed predicts a run
-        # that will not
-        out.append((MODEL_PROBE_PART, modelled, "the first command here probed its compute before it predicted "
-                    "(tokenmill.device.model_tokens_per_s), measured"))
+        # that will not. `tokenmill run` probes before the API starts (probe_machine): its seconds come first
+        first = marks["model_probe_done"] <= marks.get("api_start", math.inf)
+        out.append((MODEL_PROBE_BEFORE_API if first else MODEL_PROBE_PART, modelled,
+                    "the first command here probed its compute before it predicted "
+                    f"(tokenmill.device.model_tokens_per_s){', before the API started' if first else ''}, measured"))
     probed = _span(marks, "answer_probe_start", "answer_probe_done")
     if probed and timeline.measures_process():
         started = "" if "early_engine_start" in marks else f", {sample.probe_engine}'s start within it"
@@ -1442,12 +1450,21 @@ _made: dict[str, Prediction] = {}  # per job, for this process: the prediction i
 _gate_keys: dict[str, str] = {}
 
 
+def probe_machine(spec: JobSpec) -> None:
+    """A first command's model probe (probe_speed), where predicting this job reads it and nothing here has
+    probed or measured an engine yet; nothing otherwise (the stored figures read, milliseconds).
+    `tokenmill run` calls it before Prefect's API starts, not beside it: on a 2-core EPYC the API's first start,
+    creating its database, took 16.3 s beside the probe's 3.0 s in a fresh interpreter (bench/PREDICTION.md run
+    34a) against 11.3-12.3 s without it (runs 33a-b), more than the probe's own seconds, and no default held it."""
+    if spec.mode == "embed":
+        compute_speed("embed")
+
+
 def predict_job(spec: JobSpec, probe: bool = False) -> Prediction:
     """The one prediction of a job on this machine: `tokenmill plan`, `calibrate` and `run` call this.
     probe: `tokenmill run`'s, which measures a generation corpus's answers first where nothing here has
     (tokenmill.answer_probe), once the sample is read and the row cache's share estimated without its rows."""
-    if spec.mode == "embed":
-        compute_speed("embed")  # a first command's model probe (probe_speed) before the parts that measure it
+    probe_machine(spec)  # before the parts that measure it
     if spec.gate is not None:
         prediction = predict_gated(spec)
     else:
