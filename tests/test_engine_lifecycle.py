@@ -2,7 +2,10 @@
 
 These run as separate processes, as a user runs them: the failure they guard against
 (vLLM torn down by the interpreter's exit, aborting a job that had succeeded with exit
-134) only shows in a process that ends.
+134) only shows in a process that ends. `tokenmill run`'s exits on vLLM are checked where
+tests run it to its end anyway (conftest.assert_clean_exit): embedding in tests/test_resume.py
+(a resumed run, an idle one, two at once), generating in tests/test_openai_batch.py (a run, then
+an idle one); `gate` and `calibrate` on vLLM here.
 """
 
 import json
@@ -13,7 +16,7 @@ import textwrap
 
 import pytest
 
-from conftest import TEXTS, write_parquet
+from conftest import TEXTS, assert_clean_exit, write_parquet
 from tokenmill.engines import open_engines
 
 SMALL_VLLM = "model.engine_kwargs={gpu_memory_utilization: 0.1, enforce_eager: true}"
@@ -26,14 +29,6 @@ def environment(cwd):
 def tokenmill(*args, cwd, timeout=900):
     return subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], cwd=cwd, env=environment(cwd),
                           capture_output=True, text=True, timeout=timeout)
-
-
-def assert_clean_exit(done, what):
-    tail = (done.stdout[-1500:] + "\n" + done.stderr[-3000:])
-    assert done.returncode == 0, f"{what}: exit {done.returncode}\n{tail}"
-    assert "terminate called" not in done.stderr, f"{what}: {tail}"
-    # multiprocessing's resource tracker, at exit, on a segment a killed vLLM engine left in /dev/shm
-    assert "leaked shared_memory" not in done.stderr, f"{what}: {tail}"
 
 
 @pytest.fixture
@@ -93,27 +88,6 @@ def test_the_flow_closes_its_vllm_engine_when_it_ends(tmp_path, corpus):
     assert result["segments_seen"], "no shared-memory segment read from the engine's processes"
     assert result == {**result, "engines": 0, "engine_processes_alive": [], "client_threads": [],
                       "segments_left": []}
-
-
-@pytest.mark.engine
-def test_cli_run_embed_exits_0_every_time(tmp_path, corpus):
-    # The abort at exit was intermittent (exit 0, 134, 134 in three runs): run it more than once.
-    for attempt in range(2):
-        out = tmp_path / f"emb-{attempt}"
-        done = tokenmill("run", "--input", str(corpus), "--output", str(out), "--no-progress",
-                         "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--set", SMALL_VLLM, cwd=tmp_path)
-        assert_clean_exit(done, f"tokenmill run (embed), attempt {attempt + 1}")
-        assert f"Rows:      {len(TEXTS)} in = {len(TEXTS)} out + 0 rejected" in done.stdout
-
-
-@pytest.mark.engine
-def test_cli_run_generate_exits_0(tmp_path, corpus):
-    done = tokenmill("run", "--mode", "generate", "--input", str(corpus), "--output", str(tmp_path / "gen"),
-                     "--max-tokens", "8", "--no-progress", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db",
-                     "--set", "model.engine_kwargs={gpu_memory_utilization: 0.3, max_model_len: 1024, enforce_eager: true}",
-                     cwd=tmp_path)
-    assert_clean_exit(done, "tokenmill run (generate)")
-    assert f"Rows:      {len(TEXTS)} in = {len(TEXTS)} out + 0 rejected" in done.stdout
 
 
 @pytest.mark.engine

@@ -23,7 +23,7 @@ import pytest
 from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
-from conftest import TEST_EMBED_MODEL, TEST_GENERATE_MODEL
+from conftest import TEST_EMBED_MODEL, TEST_GENERATE_MODEL, assert_clean_exit
 from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.errors import InputError
 from tokenmill.models import resolve_model
@@ -342,7 +342,7 @@ def _tokenmill(tmp_path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tokenmill.cli", "run", "--no-progress",
            "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--experiment", "tests", *args]
     done = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert_clean_exit(done, "tokenmill run")
     return done
 
 

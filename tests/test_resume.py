@@ -11,7 +11,7 @@ import mlflow
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import write_parquet
+from conftest import assert_clean_exit, write_parquet
 from tokenmill.results import shard_cache_key
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec, ModelSpec
@@ -123,7 +123,7 @@ def test_a_killed_run_resumes_with_finished_shards_cached(tmp_path, output):
     assert not output.exists("_manifest.json") or '"complete": false' in output.read("_manifest.json")
 
     second = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
+    assert_clean_exit(second, "the resumed run")
     log = second.stdout + second.stderr
     cached = {line.split("shard ")[1].split(" (cached)")[0] for line in log.splitlines() if " (cached):" in line}
     assert finished <= cached
@@ -140,7 +140,8 @@ def test_a_killed_run_resumes_with_finished_shards_cached(tmp_path, output):
 
     third = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     log3 = third.stdout + third.stderr
-    assert third.returncode == 0 and log3.count(" (cached):") == 12
+    assert_clean_exit(third, "the run of a finished job")
+    assert log3.count(" (cached):") == 12
     # a finished job does no inference at all: the engine is never even started
     assert ENGINE_STARTED in log and ENGINE_STARTED not in log3
 
@@ -156,7 +157,8 @@ def test_two_runs_of_the_same_job_at_once_end_with_one_complete_output(tmp_path)
         runs.append(subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True))
     logs = [run.communicate(timeout=600)[0] for run in runs]
-    assert [run.returncode for run in runs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    for name, run, log in zip(("one", "two"), runs, logs):
+        assert_clean_exit(subprocess.CompletedProcess(run.args, run.returncode, log, ""), f"run {name} of two at once")
 
     out = tmp_path / "out"
     assert not list(out.rglob("*.tmp-*"))  # no temporary file left behind
