@@ -1,7 +1,8 @@
 """`tokenmill run` starts Prefect's ephemeral API itself, ahead of the flow (tasks/warm.py).
 
-The API's process starts as soon as the job is parsed, so its start overlaps the CLI's own
-imports and the engine's start. These check what a user relies on: the flow run is recorded
+The API's process starts as soon as the job is parsed (after a first command's model probe of
+the machine, tokenmill.prediction.probe_machine), so its start overlaps the CLI's own imports
+and the engine's start. These check what a user relies on: the flow run is recorded
 by that API, the server ends with the command (also when the command is killed), and a
 temporary server's URL is never recorded as the run's Prefect link.
 """

@@ -808,6 +808,11 @@ def test_a_commands_model_probe_rules_a_first_prediction_measured_as_its_own_par
              "model_probe_done": t0 + 6.2, "early_engine_start": t0 + 7, "early_engine_ready": t0 + 9,
              "tracking_warm": t0 + 10, "api_ready": t0 + 8, "flow_called": t0 + 10.5}
     assert prediction._process_parts(spans, False, 2.0)[prediction.MAIN] == pytest.approx(7 - 2 - 3)
+    # `tokenmill run`'s order: the probe, then the API's start; the probe still out of the main thread's seconds,
+    # and out of the API's
+    first = {**spans, "api_start": t0 + 6.2}
+    assert prediction._process_parts(first, False, 2.0)[prediction.MAIN] == pytest.approx(7 - 2 - 3)
+    assert prediction._process_parts(first, False, 2.0)["orchestrator API"] == pytest.approx(8 - 6.2)
     assert prediction._model_probe({**spans, "model_probe_start": t0 + 11, "model_probe_done": t0 + 12}) == 0.0
 
 

@@ -202,8 +202,8 @@ DEFAULT_TRIAL_CLOSE = {"vllm": 1.7}
 # against 70.7-77.2 s (tokenmill.vllm_engine saw each first start add a compiled graph, the later ones none).
 # The 2-core EPYC's first MiniLM starts (session 27: the bench's first job and three users' first runs, each in the
 # engine trials), over the machine's speed: 37.9, 42.5, 44.0 and 45.3 s, where 27 + 18 put one 18% over: 16.5.
-# A later 2-core EPYC with AVX-512 (bench/PREDICTION.md runs 33a-34a, the bench's first job each, in its trials):
-# 74.8-78.6 s at speeds 1.61-1.66, 45-49 s at speed 1, where 27 + 16.5 put all three 4-9% under, as it put
+# A later 2-core EPYC with AVX-512 (bench/PREDICTION.md runs 33b and 34a, the bench's first job each, in its
+# trials): 74.8-78.6 s at speeds 1.61-1.66, 45-49 s at speed 1, where 27 + 16.5 put both 4-9% under, as it put
 # the Xeon's 46.5-49.8: 18, the three hosts' middle.
 DEFAULT_VLLM_COMPILE = {"embed": 18.0, "generate": 21.0}
 COMPILING_START = "engine start, compiling"  # a run's vLLM start that compiled: see first_compile
