@@ -297,7 +297,7 @@ PROBE = "float32 GFLOP/s a core"  # under machine_key(): see probe_speed
 MODEL_PROBE = "MiniLM-shaped float32 tokens/s a core"  # under machine_key(): see probe_speed
 MODEL_PROBE_PART = "the machine's model probe"  # a first command's, on the main thread before it predicts: measured
 # `tokenmill run`'s, before Prefect's API starts (probe_machine): its seconds, then the API's start and the rest
-MODEL_PROBE_BEFORE_API = f"{MODEL_PROBE_PART}, then the API"
+MODEL_PROBE_BEFORE_API = f"{MODEL_PROBE_PART} first"  # reads "the machine's model probe first 3.0 s, ...; then API ..."
 # The transformers engine's float32 MiniLM tokens/s in whole runs over the model probe's tokens/s a core times
 # the cores (tokenmill.device.model_tokens_per_s), on a CPU no run has measured. On a 2-core AMD EPYC with AVX-512
 # VNNI (2026-12-02) the probe read 2,670-3,350 tokens/s a core (median ~2,950) and the engine's whole runs of the
