@@ -204,9 +204,18 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     # never opened here yet: its creation here, less what creating adds at the defaults
     del stored[prediction.machine_key()][TRACKING_OPENED]
     created_extra = (prediction.DEFAULT_TRACKING[TRACKING_CREATED] - prediction.DEFAULT_TRACKING[TRACKING_OPENED])
+    factor = prediction.machine_speed()[0]
+    stored[prediction.machine_key()][TRACKING_CREATED] = [2.0 * factor]
     name, seconds, source = prediction.tracking_part(spec, stored)
-    assert (name, seconds) == (TRACKING_OPENED, pytest.approx(2.5 - created_extra * prediction.machine_speed()[0]))
-    assert source.startswith("its creation here, 2.5 s")
+    assert (name, seconds) == (TRACKING_OPENED, pytest.approx((2.0 - created_extra) * factor))
+    assert source.startswith(f"its creation here, {2.0 * factor:.1f} s")
+    # a creation slowed by the first run's work beside it: no later opening is put over its default here
+    stored[prediction.machine_key()][TRACKING_CREATED] = [10.6]
+    name, seconds, source = prediction.tracking_part(spec, stored)
+    default = prediction.DEFAULT_TRACKING[TRACKING_OPENED] * prediction.machine_speed()[0]
+    assert (name, seconds) == (TRACKING_OPENED, pytest.approx(default))
+    assert source.startswith("default: never measured here") and "under its creation here, 10.6 s" in source
+    stored[prediction.machine_key()][TRACKING_CREATED] = [2.5]
     stored[prediction.machine_key()][TRACKING_OPENED] = [1.0]
     assert prediction.tracking_part(spec, stored)[:2] == (TRACKING_OPENED, 1.0)
     # opened in another mode's runs (3.0) and before it was stored by mode (1.0): their median, and it says so;

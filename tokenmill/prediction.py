@@ -1230,9 +1230,16 @@ def tracking_part(spec: JobSpec, parts: dict[str, Any]) -> tuple[str, float, str
     if source.startswith("default") and not created_source.startswith("default"):
         # never opened here, but created (a first run's): its creation less what creating adds at the defaults,
         # as the API's first start stands for its later ones (orchestration_part): a 2-core Xeon created it in
-        # 2.2 s and opened it in 1.0-1.5 (median 1.2), where the default put an opening at 1.5
-        return TRACKING_OPENED, *less_creation("its creation here", created, created_source,
-                                               DEFAULT_TRACKING[TRACKING_CREATED] - DEFAULT_TRACKING[TRACKING_OPENED])
+        # 2.2 s and opened it in 1.0-1.5 (median 1.2), where the default put an opening at 1.5. At most the
+        # opening's default at this machine's speed: a first run creates the store beside the API creating its
+        # database and the engine trials' first vLLM start, and on a 2-core EPYC (bench/PREDICTION.md run 36a)
+        # that took 10.6 s where the next runs opened it in 1.4-1.7, and the warm job was put 30.6% over
+        opened, why = less_creation("its creation here", created, created_source,
+                                    DEFAULT_TRACKING[TRACKING_CREATED] - DEFAULT_TRACKING[TRACKING_OPENED])
+        if opened <= seconds:
+            return TRACKING_OPENED, opened, why
+        return TRACKING_OPENED, seconds, (f"{source}, under {why} (a first run creates it beside the API's first "
+                                          "start and the engine trials)")
     return TRACKING_OPENED, seconds, source
 
 
