@@ -231,9 +231,16 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     # the API's later starts never measured yet: its first start here, less its database's creation at the default
     del stored[key]["orchestrator API"]
     factor = prediction.machine_speed()[0]
+    stored[prediction.machine_key()][API_CREATED] = [6.0 * factor]
     later = prediction.orchestration_part(stored, key, 0.0)
     extra = (prediction.DEFAULT_API_CREATED - prediction.DEFAULT_SECONDS["orchestrator API"]) * factor
-    assert later.seconds == pytest.approx(7.0 - extra + 0.2) and "which created its database" in later.source
+    assert later.seconds == pytest.approx(6.0 * factor - extra + 0.2) and "which created its database" in later.source
+    # a first start slowed by the first run's work beside it: no later start is put over its default here
+    stored[prediction.machine_key()][API_CREATED] = [21.8]
+    later = prediction.orchestration_part(stored, key, 0.0)
+    assert later.seconds == pytest.approx(prediction.DEFAULT_SECONDS["orchestrator API"] * factor + 0.2)
+    assert "default: never measured here" in later.source and "under its first start here" in later.source
+    stored[prediction.machine_key()][API_CREATED] = [7.0]
     sample = prediction.JobSample(rows=0, shards=0, lengths=[10])  # the corpus this process wrote: measured
     apart = prediction.main_thread_parts(spec, sample, stored)
     assert [name for name, _, _ in apart] == [READING, TRACKING_OPENED, "writing the sample corpus"]

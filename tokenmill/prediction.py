@@ -1154,7 +1154,8 @@ def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
         api = {"seconds": created, "source": f"{created_source}, creating its database: the first here"}
     elif api["source"].startswith("default") and not created_source.startswith("default"):
         seconds, source = less_creation("its first start here, which created its database", created, created_source,
-                                        DEFAULT_API_CREATED - DEFAULT_SECONDS["orchestrator API"])
+                                        DEFAULT_API_CREATED - DEFAULT_SECONDS["orchestrator API"],
+                                        (api["seconds"], api["source"]))
         api = {"seconds": seconds, "source": source}
     if main["source"].startswith("default"):
         beside, source = stored(parts, key, MAIN_BESIDE_TRIAL, None)
@@ -1230,25 +1231,28 @@ def tracking_part(spec: JobSpec, parts: dict[str, Any]) -> tuple[str, float, str
     if source.startswith("default") and not created_source.startswith("default"):
         # never opened here, but created (a first run's): its creation less what creating adds at the defaults,
         # as the API's first start stands for its later ones (orchestration_part): a 2-core Xeon created it in
-        # 2.2 s and opened it in 1.0-1.5 (median 1.2), where the default put an opening at 1.5. At most the
-        # opening's default at this machine's speed: a first run creates the store beside the API creating its
-        # database and the engine trials' first vLLM start, and on a 2-core EPYC (bench/PREDICTION.md run 36a)
-        # that took 10.6 s where the next runs opened it in 1.4-1.7, and the warm job was put 30.6% over
-        opened, why = less_creation("its creation here", created, created_source,
-                                    DEFAULT_TRACKING[TRACKING_CREATED] - DEFAULT_TRACKING[TRACKING_OPENED])
-        if opened <= seconds:
-            return TRACKING_OPENED, opened, why
-        return TRACKING_OPENED, seconds, (f"{source}, under {why} (a first run creates it beside the API's first "
-                                          "start and the engine trials)")
+        # 2.2 s and opened it in 1.0-1.5 (median 1.2), where the default put an opening at 1.5
+        return TRACKING_OPENED, *less_creation("its creation here", created, created_source,
+                                               DEFAULT_TRACKING[TRACKING_CREATED] - DEFAULT_TRACKING[TRACKING_OPENED],
+                                               (seconds, source))
     return TRACKING_OPENED, seconds, source
 
 
-def less_creation(what: str, created: float, created_source: str, default_extra: float) -> tuple[float, str]:
+def less_creation(what: str, created: float, created_source: str, default_extra: float,
+                  default: tuple[float, str]) -> tuple[float, str]:
     """A later opening never measured here, from a first one that created its store here (`created` seconds):
-    that, less what creating adds at the defaults (`default_extra` at speed 1) at this machine's speed."""
+    that, less what creating adds at the defaults (`default_extra` at speed 1) at this machine's speed; at most
+    the opening's own default here (`default`: its seconds at this machine's speed and their source). A first run
+    creates Prefect's database and MLflow's store beside each other and beside the engine trials' first vLLM
+    start, which slows them far more than it slows any later opening: on a 2-core EPYC (bench/PREDICTION.md
+    run 36) the API's first start took 12.7 and 21.8 s and MLflow's creation 10.6, where the next runs started the
+    API in 4.4-4.6 s and opened the store in 1.4-1.7, and the warm job was put 30.6% and 30% over."""
     extra = default_extra * machine_speed()[0]
-    return max(created - extra, 0.0), (
-        f"{what}, {created:.1f} s ({created_source}), less that at its default, {extra:.1f} s")
+    seconds = max(created - extra, 0.0)
+    why = f"{what}, {created:.1f} s ({created_source}), less that at its default, {extra:.1f} s"
+    if seconds <= default[0]:
+        return seconds, why
+    return default[0], f"{default[1]}, under {why}"
 
 
 def reading_key(mode: str) -> str:
