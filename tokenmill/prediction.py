@@ -1246,7 +1246,7 @@ def less_creation(what: str, created: float, created_source: str, default_extra:
     creates Prefect's database and MLflow's store beside each other and beside the engine trials' first vLLM
     start, which slows them far more than it slows any later opening: on a 2-core EPYC (bench/PREDICTION.md
     run 36) the API's first start took 12.7 and 21.8 s and MLflow's creation 10.6, where the next runs started the
-    API in 4.4-4.6 s and opened the store in 1.4-1.7, and the warm job was put 30.6% and 30% over."""
+    API in 4.4-4.6 s and opened the store in 1.4-1.7, and the warm job was put 30.6% and 27.7% over."""
     extra = default_extra * machine_speed()[0]
     seconds = max(created - extra, 0.0)
     why = f"{what}, {created:.1f} s ({created_source}), less that at its default, {extra:.1f} s"
