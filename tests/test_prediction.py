@@ -236,7 +236,7 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     extra = (prediction.DEFAULT_API_CREATED - prediction.DEFAULT_SECONDS["orchestrator API"]) * factor
     assert later.seconds == pytest.approx(6.0 * factor - extra + 0.2) and "which created its database" in later.source
     # a first start slowed by the first run's work beside it: no later start is put over its default here
-    stored[prediction.machine_key()][API_CREATED] = [21.8]
+    stored[prediction.machine_key()][API_CREATED] = [21.8 * factor]
     later = prediction.orchestration_part(stored, key, 0.0)
     assert later.seconds == pytest.approx(prediction.DEFAULT_SECONDS["orchestrator API"] * factor + 0.2)
     assert "default: never measured here" in later.source and "under its first start here" in later.source

@@ -5,7 +5,8 @@
 
 - orchestration start is the critical path of what `tokenmill run` overlaps (tasks/warm.py): Prefect's
   API starts in its own process while the main thread imports the flow, predicts and starts the engine,
-  so it costs max(API, main thread + engine start) - engine start, plus the flow's own start. Its parts
+  so it costs max(API, main thread + engine start) - engine start, plus the flow's own start (and before
+  them, a first command's model probe, which `tokenmill run` runs before the API starts). Its parts
   are measured apart, so figures measured beside vLLM's 40 s start hold for transformers' 0.2 s one.
 - engine seconds: the rows still to compute (finished shards, the rows the row cache holds, and
   repeats of an identical input, which the run computes once, left out) at their lengths, from the
@@ -1144,7 +1145,8 @@ def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
                        api_created: bool = False) -> Part:
     """Prefect's API starts in its own process beside the main thread's work (the flow's imports, this
     prediction, and the parts of it measured apart, `apart`: (name, seconds, source) each, see
-    main_thread_parts) and the engine's start (`engine_start`: the start it overlaps; 0 when a trial runs
+    main_thread_parts; but for MODEL_PROBE_BEFORE_API, a first `tokenmill run`'s probe, whose seconds come before
+    the API starts) and the engine's start (`engine_start`: the start it overlaps; 0 when a trial runs
     first, which waits for the API), then the flow starts: what of it the engine's start does not hide.
     alone: no engine starts beside the API (MAIN_ALONE); api_created: the API creates its database first
     (API_CREATED)."""
