@@ -84,7 +84,7 @@ from tokenmill.prompts import TEXT, prompt_columns, text_column_used
 from tokenmill.row_cache import bypass_reason, cache_uri
 from tokenmill.runner import engine_pads, plan_feed
 from tokenmill.shards import discover_shards_for, read_shard
-from tokenmill.spec import JobSpec, local_tracking_store
+from tokenmill.spec import JobSpec, ModelSpec, local_tracking_store
 from tokenmill.vllm_engine import graphs_kept
 
 # For a part never measured on this machine: seconds (per 1,000 rows where the name says so), stated
@@ -1406,11 +1406,18 @@ def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict
 
 # Making a model ONNX Runtime or OpenVINO runs (tokenmill.onnx_models, tokenmill.openvino_models: once per machine;
 # OpenVINO's int8 once per corpus, calibrated on its rows), where none of its kind was made here: seconds on the
-# reference machine, x machine_speed. A 2-core AMD EPYC of speed ~2.2 (bench/PREDICTION.md's host) made the ONNX
-# export of MiniLM in 1.6-1.9 s, its ONNX Runtime int8 in 4.0-5.1 s, OpenVINO's int8 (NNCF, ~16k calibration
-# tokens) in 20-28 s. Where one was made here before (another version: other weights, libraries or corpus),
-# its median seconds.
-DEFAULT_MAKE_SECONDS = {"onnx fp32": 0.8, "onnx quantized": 2.0, "openvino quantized": 11.0}
+# reference machine, x machine_speed. A 2-core AMD EPYC of speed ~2.2 (bench/PREDICTION.md's host) made ONNX
+# Runtime's int8 of MiniLM in 4.0-5.1 s and OpenVINO's int8 (NNCF, ~16k calibration tokens) in 20-28 s; the 2-core
+# EPYC with AVX-512 (2026-12-02, interpreter probe 11.7-12.1 ms, speed ~1.1) made the ONNX export in 1.6-1.9 s
+# with torch and transformers imported (TORCH_IMPORT_SECONDS), the int8 copies in 1.6 s and 11.9-14.1 s. Where
+# one was made here before (another version: other weights, libraries or corpus), its median seconds.
+DEFAULT_MAKE_SECONDS = {"onnx fp32": 1.5, "onnx quantized": 2.0, "openvino quantized": 11.0}
+# The ONNX export (tokenmill.onnx_models._export) imports torch and transformers, which a process that runs only
+# ONNX Runtime and OpenVINO has not imported (their engines load a session; no torch): on that EPYC at speed ~1.1
+# the imports took 4.7-4.8 s and the whole export 6.1-6.8 s in a fresh process. Run 37a of bench/PREDICTION.md, the
+# first whose first gate made its models (an OpenVINO reference first), made the export in 6.3 s, predicted 0.9.
+TORCH_IMPORT_SECONDS = 4.2
+TORCH_ENGINES = ("transformers", "vllm", "auto")  # engines whose start (auto: its trials) imports torch
 
 
 def engine_of(spec: JobSpec) -> str:
@@ -1444,8 +1451,10 @@ def models_to_make(spec: JobSpec) -> list[tuple[str, str]]:
     return out
 
 
-def making_part(models: list[tuple[str, str]]) -> tuple[float, str]:
-    """The seconds making these models takes here, and what each is from."""
+def making_part(models: list[tuple[str, str]], torch_imported: set[tuple[str, str]] = frozenset()) -> tuple[float, str]:
+    """The seconds making these models takes here, and what each is from. A float32 export never made here
+    imports torch and transformers first (TORCH_IMPORT_SECONDS), unless it is in `torch_imported` (an engine
+    that imports them ran before it in the process: gate_making)."""
     seconds, says = 0.0, []
     factor, speed = machine_speed()
     for kind, name in models:
@@ -1454,11 +1463,33 @@ def making_part(models: list[tuple[str, str]]) -> tuple[float, str]:
             each = statistics.median(before)
             says.append(f"{kind} {name} {each:.1f} s (made here before, median of {len(before)})")
         else:
-            default = DEFAULT_MAKE_SECONDS[f"{kind} {'fp32' if name.endswith('.fp32') else 'quantized'}"]
-            each = default * factor
-            says.append(f"{kind} {name} {each:.1f} s (default: never made here, {default:g} s{speed})")
+            fp32 = name.endswith(".fp32")
+            default = DEFAULT_MAKE_SECONDS[f"{kind} {'fp32' if fp32 else 'quantized'}"]
+            imports = TORCH_IMPORT_SECONDS if fp32 and kind == "onnx" and (kind, name) not in torch_imported else 0.0
+            each = (default + imports) * factor
+            says.append(f"{kind} {name} {each:.1f} s (default: never made here, {default:g} s" + (
+                f" + {imports:g} s importing torch and transformers, which no engine before it here imports"
+                if imports else "") + f"{speed})")
         seconds += each
     return seconds, "; ".join(says)
+
+
+def gate_making(spec: JobSpec, models: list[ModelSpec]) -> tuple[float, str]:
+    """making_part for a gate's models, made at each one's engine start in the gate's order (the reference,
+    then the candidates): an export made after a model on an engine that imports torch (TORCH_ENGINES) imports
+    nothing more."""
+    order: list[tuple[str, str]] = []
+    imported: set[tuple[str, str]] = set()
+    torch_in = False
+    for model in models:
+        job = job_for(spec, model)
+        for made in models_to_make(job):
+            if made not in order:
+                order.append(made)
+                if torch_in:
+                    imported.add(made)
+        torch_in = torch_in or engine_of(job) in TORCH_ENGINES
+    return making_part(order, imported)
 
 
 _made: dict[str, Prediction] = {}  # per job, for this process: the prediction its run is held to
@@ -1633,8 +1664,7 @@ def gate_part(spec: JobSpec, corpus: JobSpec, verdict: GateReport | None, elsewh
     gate_rows = min(spec.gate.sample_rows, max(corpus_rows, 1))
     tokens = statistics.fmean(sample.lengths or [1]) * gate_rows
     models = [spec.gate.reference, *candidate_models(spec)]
-    making, made = making_part(list(dict.fromkeys(
-        m for model in models for m in models_to_make(job_for(spec, model)))))
+    making, made = gate_making(spec, models)
     if making:
         why += f"; + {making:.1f} s making the models not made here yet: {made}"
     besides, source = stored(parts, key, GATE_BESIDES, None)
