@@ -7,7 +7,8 @@ Each job runs as a whole process (`python -m tokenmill.cli run --config job.yaml
 to exit. The prediction is the one the process printed before it started work (tokenmill/prediction.py:
 the same one `tokenmill plan` and `tokenmill calibrate` print), read back from its MLflow run
 (`predicted_wall_seconds`). The bench starts from empty cache directories (tokenmill's, and vLLM's and
-torch's compiled graphs, Prefect's home and the MLflow store), so its first job is a first run on a new machine
+torch's compiled graphs, Prefect's home and the MLflow store) and an empty models home but for SmolLM2 (as
+`make install` converts it: no ONNX or OpenVINO model made yet), so its first job is a first run on a new machine
 (every fixed part a stated default, the engine trials run, the orchestrator's database created), and each
 later job is predicted from the parts the earlier ones measured: its engine's start, imports,
 orchestration and per-row overhead, and the trials' tokens/s over length (a new length class runs,
@@ -219,6 +220,20 @@ def report(results: list[tuple[Job, dict]], calibration: tuple[float, str], seco
     return "\n".join(lines) + "\n"
 
 
+def new_models_home() -> None:
+    """TOKENMILL_HOME as on a new machine after `make install`: SmolLM2 converted (linked from this machine's
+    models home, converting it there if it is not yet), no model the gated jobs make (the ONNX export, ONNX
+    Runtime's and OpenVINO's int8): the first gate makes them, as `make run` does on a new machine."""
+    from tokenmill.models import prepare_smollm2
+
+    smollm2 = prepare_smollm2()  # in the models home before this one: the machine's
+    home = WORK / "home"
+    shutil.rmtree(home, ignore_errors=True)
+    (home / "models").mkdir(parents=True)
+    (home / "models" / smollm2.name).symlink_to(smollm2, target_is_directory=True)
+    os.environ["TOKENMILL_HOME"] = str(home)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -235,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(WORK / folder, ignore_errors=True)
         os.environ[variable] = str(WORK / folder)
     (WORK / "mlflow.db").unlink(missing_ok=True)
+    new_models_home()
     results, calibration = [], (0.0, "")
     for index, job in enumerate(jobs(args.quick)):
         if "calibration" in job.fields and not calibration[1]:
