@@ -1451,7 +1451,8 @@ def models_to_make(spec: JobSpec) -> list[tuple[str, str]]:
     return out
 
 
-def making_part(models: list[tuple[str, str]], torch_imported: set[tuple[str, str]] = frozenset()) -> tuple[float, str]:
+def making_part(models: list[tuple[str, str]],
+                torch_imported: set[tuple[str, str]] = frozenset()) -> tuple[float, str]:
     """The seconds making these models takes here, and what each is from. A float32 export never made here
     imports torch and transformers first (TORCH_IMPORT_SECONDS), unless it is in `torch_imported` (an engine
     that imports them ran before it in the process: gate_making)."""
