@@ -1412,10 +1412,11 @@ def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict
 # with torch and transformers imported (TORCH_IMPORT_SECONDS), the int8 copies in 1.6 s and 11.9-14.1 s. Where
 # one was made here before (another version: other weights, libraries or corpus), its median seconds.
 DEFAULT_MAKE_SECONDS = {"onnx fp32": 1.5, "onnx quantized": 2.0, "openvino quantized": 11.0}
-# The ONNX export (tokenmill.onnx_models._export) imports torch and transformers, which a process that runs only
-# ONNX Runtime and OpenVINO has not imported (their engines load a session; no torch): on that EPYC at speed ~1.1
-# the imports took 4.7-4.8 s and the whole export 6.1-6.8 s in a fresh process. Run 37a of bench/PREDICTION.md, the
-# first whose first gate made its models (an OpenVINO reference first), made the export in 6.3 s, predicted 0.9.
+# Making a model imports torch where nothing in the process has yet: the ONNX export (tokenmill.onnx_models._export)
+# torch and transformers, OpenVINO's int8 NNCF (which imports torch); running ONNX Runtime or OpenVINO imports
+# neither (their engines load a session). On that EPYC at speed ~1.1, in fresh processes: torch and transformers'
+# imports 4.7-4.8 s, the whole export 6.1-6.8 s; `import nncf` 4.2 s. Run 37a of bench/PREDICTION.md, the first
+# whose first gate made its models (an OpenVINO reference first), made the export in 6.3 s, predicted 0.9.
 TORCH_IMPORT_SECONDS = 4.2
 TORCH_ENGINES = ("transformers", "vllm", "auto")  # engines whose start (auto: its trials) imports torch
 
@@ -1451,36 +1452,39 @@ def models_to_make(spec: JobSpec) -> list[tuple[str, str]]:
     return out
 
 
-def making_part(models: list[tuple[str, str]],
-                torch_imported: set[tuple[str, str]] = frozenset()) -> tuple[float, str]:
-    """The seconds making these models takes here, and what each is from. A float32 export never made here
-    imports torch and transformers first (TORCH_IMPORT_SECONDS), unless it is in `torch_imported` (an engine
-    that imports them ran before it in the process: gate_making)."""
+def making_part(models: list[tuple[str, str]], torch_before: set[tuple[str, str]] | None = None,
+                torch_in: bool = False) -> tuple[float, str]:
+    """The seconds making these models (in this order) takes here, and what each is from. A model never made
+    here that imports torch (the ONNX export, OpenVINO's int8: TORCH_IMPORT_SECONDS) is charged its import
+    where nothing imported torch before it in the process: not after another such making, nor where it is in
+    `torch_before` (an engine that imports torch ran before it: gate_making), nor where `torch_in`."""
     seconds, says = 0.0, []
     factor, speed = machine_speed()
     for kind, name in models:
+        imports_torch = kind == "openvino" or name.endswith(".fp32")
         before = made_seconds(kind, name)
         if before:
             each = statistics.median(before)
             says.append(f"{kind} {name} {each:.1f} s (made here before, median of {len(before)})")
         else:
-            fp32 = name.endswith(".fp32")
-            default = DEFAULT_MAKE_SECONDS[f"{kind} {'fp32' if fp32 else 'quantized'}"]
-            imports = TORCH_IMPORT_SECONDS if fp32 and kind == "onnx" and (kind, name) not in torch_imported else 0.0
+            default = DEFAULT_MAKE_SECONDS[f"{kind} {'fp32' if name.endswith('.fp32') else 'quantized'}"]
+            torch_here = torch_in or (kind, name) in (torch_before or set())
+            imports = TORCH_IMPORT_SECONDS if imports_torch and not torch_here else 0.0
             each = (default + imports) * factor
             says.append(f"{kind} {name} {each:.1f} s (default: never made here, {default:g} s" + (
-                f" + {imports:g} s importing torch and transformers, which no engine before it here imports"
-                if imports else "") + f"{speed})")
+                f" + {imports:g} s importing torch, which nothing before it here imports" if imports else "")
+                + f"{speed})")
+        torch_in = torch_in or imports_torch
         seconds += each
     return seconds, "; ".join(says)
 
 
 def gate_making(spec: JobSpec, models: list[ModelSpec]) -> tuple[float, str]:
     """making_part for a gate's models, made at each one's engine start in the gate's order (the reference,
-    then the candidates): an export made after a model on an engine that imports torch (TORCH_ENGINES) imports
+    then the candidates): a model made after one on an engine that imports torch (TORCH_ENGINES) imports
     nothing more."""
     order: list[tuple[str, str]] = []
-    imported: set[tuple[str, str]] = set()
+    after_torch: set[tuple[str, str]] = set()
     torch_in = False
     for model in models:
         job = job_for(spec, model)
@@ -1488,9 +1492,9 @@ def gate_making(spec: JobSpec, models: list[ModelSpec]) -> tuple[float, str]:
             if made not in order:
                 order.append(made)
                 if torch_in:
-                    imported.add(made)
+                    after_torch.add(made)
         torch_in = torch_in or engine_of(job) in TORCH_ENGINES
-    return making_part(order, imported)
+    return making_part(order, after_torch)
 
 
 _made: dict[str, Prediction] = {}  # per job, for this process: the prediction its run is held to
