@@ -223,14 +223,15 @@ def report(results: list[tuple[Job, dict]], calibration: tuple[float, str], seco
 def new_models_home() -> None:
     """TOKENMILL_HOME as on a new machine after `make install`: SmolLM2 converted (linked from this machine's
     models home, converting it there if it is not yet), no model the gated jobs make (the ONNX export, ONNX
-    Runtime's and OpenVINO's int8): the first gate makes them, as `make run` does on a new machine."""
+    Runtime's and OpenVINO's int8): the first gate makes them, as `make run` does on a new machine; and no
+    digest of the models' files yet (the row cache's file-digests: the first runs hash them)."""
     from tokenmill.models import prepare_smollm2
 
     smollm2 = prepare_smollm2()  # in the models home before this one: the machine's
     home = WORK / "home"
     shutil.rmtree(home, ignore_errors=True)
     (home / "models").mkdir(parents=True)
-    (home / "models" / smollm2.name).symlink_to(smollm2, target_is_directory=True)
+    (home / "models" / smollm2.name).symlink_to(smollm2.resolve(), target_is_directory=True)
     os.environ["TOKENMILL_HOME"] = str(home)
 
 
