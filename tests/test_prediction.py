@@ -944,7 +944,7 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
     _, says = prediction.gate_making(on_openvino, [on_openvino.gate.reference, *gate.candidate_models(on_openvino)])
     assert says.startswith("onnx all-MiniLM-L6-v2.fp32") and says.count("importing torch") == 1, says
     made = prediction.models_to_make(prediction.job_for(on_openvino, on_openvino.gate.reference))
-    assert prediction.making_part(made)[0] - prediction.making_part(made, set(made))[0] == pytest.approx(
+    assert prediction.making_part(made)[0] - prediction.making_part(made, torch_in=True)[0] == pytest.approx(
         prediction.TORCH_IMPORT_SECONDS * prediction.machine_speed()[0])
     # OpenVINO's int8 imports torch too (NNCF): charged where nothing made before it in the process did
     int8 = [("openvino", "all-MiniLM-L6-v2.int8-vnni")]

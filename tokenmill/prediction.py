@@ -1452,49 +1452,49 @@ def models_to_make(spec: JobSpec) -> list[tuple[str, str]]:
     return out
 
 
-def making_part(models: list[tuple[str, str]], torch_before: set[tuple[str, str]] | None = None,
-                torch_in: bool = False) -> tuple[float, str]:
+def imports_torch(kind: str, name: str) -> bool:
+    """Whether making this model imports torch (TORCH_IMPORT_SECONDS): the ONNX export, OpenVINO's int8."""
+    return kind == "openvino" or name.endswith(".fp32")
+
+
+def making_part(models: list[tuple[str, str]], torch_in: bool = False) -> tuple[float, str]:
     """The seconds making these models (in this order) takes here, and what each is from. A model never made
-    here that imports torch (the ONNX export, OpenVINO's int8: TORCH_IMPORT_SECONDS) is charged its import
-    where nothing imported torch before it in the process: not after another such making, nor where it is in
-    `torch_before` (an engine that imports torch ran before it: gate_making), nor where `torch_in`."""
+    here that imports torch (imports_torch) is charged the import where nothing imported torch before it in the
+    process: neither another such making nor, where `torch_in`, anything before these."""
     seconds, says = 0.0, []
     factor, speed = machine_speed()
     for kind, name in models:
-        imports_torch = kind == "openvino" or name.endswith(".fp32")
         before = made_seconds(kind, name)
         if before:
             each = statistics.median(before)
             says.append(f"{kind} {name} {each:.1f} s (made here before, median of {len(before)})")
         else:
             default = DEFAULT_MAKE_SECONDS[f"{kind} {'fp32' if name.endswith('.fp32') else 'quantized'}"]
-            torch_here = torch_in or (kind, name) in (torch_before or set())
-            imports = TORCH_IMPORT_SECONDS if imports_torch and not torch_here else 0.0
+            imports = TORCH_IMPORT_SECONDS if imports_torch(kind, name) and not torch_in else 0.0
             each = (default + imports) * factor
             says.append(f"{kind} {name} {each:.1f} s (default: never made here, {default:g} s" + (
                 f" + {imports:g} s importing torch, which nothing before it here imports" if imports else "")
                 + f"{speed})")
-        torch_in = torch_in or imports_torch
+        torch_in = torch_in or imports_torch(kind, name)
         seconds += each
     return seconds, "; ".join(says)
 
 
 def gate_making(spec: JobSpec, models: list[ModelSpec]) -> tuple[float, str]:
     """making_part for a gate's models, made at each one's engine start in the gate's order (the reference,
-    then the candidates): a model made after one on an engine that imports torch (TORCH_ENGINES) imports
-    nothing more."""
-    order: list[tuple[str, str]] = []
-    after_torch: set[tuple[str, str]] = set()
+    then the candidates): a model made after one on an engine that imports torch (TORCH_ENGINES), or after a
+    making that imports it, imports nothing more."""
+    seconds, says, done = 0.0, [], set()
     torch_in = False
     for model in models:
         job = job_for(spec, model)
-        for made in models_to_make(job):
-            if made not in order:
-                order.append(made)
-                if torch_in:
-                    after_torch.add(made)
-        torch_in = torch_in or engine_of(job) in TORCH_ENGINES
-    return making_part(order, after_torch)
+        new = [made for made in models_to_make(job) if made not in done]
+        if new:
+            each, said = making_part(new, torch_in)
+            seconds, says, done = seconds + each, [*says, said], done | set(new)
+        torch_in = (torch_in or engine_of(job) in TORCH_ENGINES
+                    or any(imports_torch(kind, name) for kind, name in new))
+    return seconds, "; ".join(says)
 
 
 _made: dict[str, Prediction] = {}  # per job, for this process: the prediction its run is held to
