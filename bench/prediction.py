@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from bench import corpora
+from tokenmill.models import prepare_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "bench" / "PREDICTION.md"
@@ -225,8 +226,6 @@ def new_models_home() -> None:
     models home, converting it there if it is not yet), no model the gated jobs make (the ONNX export, ONNX
     Runtime's and OpenVINO's int8): the first gate makes them, as `make run` does on a new machine; and no
     digest of the models' files yet (the row cache's file-digests: the first runs hash them)."""
-    from tokenmill.models import prepare_smollm2
-
     smollm2 = prepare_smollm2()  # in the models home before this one: the machine's
     home = WORK / "home"
     shutil.rmtree(home, ignore_errors=True)
