@@ -151,7 +151,10 @@ def test_a_rerun_with_every_shard_finished_is_predicted_without_an_engine_and_re
     line = prediction_line(tokenmill("run", "--config", str(job_a["root"] / "job.yaml"), "--no-progress",
                                      cwd=job_a["root"], cache=job_a["cache"]))
     assert "for 0 rows" in line and not re.search(r"; engine start [\d.]+ s \(", line)  # 0 s: not printed
-    assert f"{prediction.TRACKING_OPENED} " in line and prediction.TRACKING_CREATED not in line
+    # its MLflow store opened with no engine started before it: the first such opening here, predicted from the
+    # one after an engine's start
+    assert f"{prediction.TRACKING_ALONE} " in line and prediction.TRACKING_CREATED not in line
+    assert "default: never opened here with no engine started before it" in line
     mlflow.set_tracking_uri(job_a["job"]["tracking"]["mlflow_tracking_uri"])
     runs = [r for r in mlflow.search_runs(experiment_names=["tests"], output_format="list", order_by=["start_time DESC"])
             if "tokenmill.stage" not in r.data.tags]
@@ -165,8 +168,9 @@ def test_a_rerun_with_every_shard_finished_is_predicted_without_an_engine_and_re
 
     assert len(stored[prediction.fixed_key(PrefectJob.model_validate(job_a["job"]), "transformers")][
         prediction.MAIN_ALONE]) == 1
-    # plan's and calibrate's don't store; stored by mode
-    assert len(stored[prediction.machine_key()][f"{prediction.TRACKING_OPENED}@embed"]) >= 2
+    # plan's and calibrate's don't store; stored by mode, the rerun's opening apart (no engine before it)
+    assert len(stored[prediction.machine_key()][f"{prediction.TRACKING_OPENED}@embed"]) >= 1
+    assert len(stored[prediction.machine_key()][f"{prediction.TRACKING_ALONE}@embed"]) == 1
 
 
 def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they_happen(tmp_path, monkeypatch):
@@ -195,6 +199,16 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     machine = parts[prediction.machine_key()]
     assert machine[TRACKING_CREATED] == pytest.approx(2.5) and machine[API_CREATED] == pytest.approx(7.0)
     assert parts[prediction.gate_key(spec)] == {prediction.GATE_KEPT: pytest.approx(0.1)}
+    # the store there: opened, with no engine started before it in the process (a gated job's), stored apart;
+    # after an engine's early start, as any run's opening
+    marks["tracking_opened"] = marks.pop("tracking_created")
+    opened = prediction.measured_parts(spec, "transformers", {}, 0, False)[prediction.machine_key()]
+    assert opened[f"{prediction.TRACKING_ALONE}@embed"] == pytest.approx(2.5) and TRACKING_CREATED not in opened
+    marks["early_engine_start"], marks["early_engine_ready"] = t0 + 4.0, t0 + 4.5
+    opened = prediction.measured_parts(spec, "transformers", {}, 0, False)[prediction.machine_key()]
+    assert opened[f"{TRACKING_OPENED}@embed"] == pytest.approx(2.5) and f"{prediction.TRACKING_ALONE}@embed" not in opened
+    del marks["early_engine_start"], marks["early_engine_ready"]
+    marks["tracking_created"] = marks.pop("tracking_opened")
 
     key = prediction.fixed_key(spec, "transformers")
     stored = {prediction.machine_key(): {TRACKING_OPENED: [1.0], TRACKING_CREATED: [2.5], API_CREATED: [7.0]},
@@ -224,6 +238,15 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     assert prediction.tracking_part(spec, stored)[1:] == (2.0, "measured here in other modes' runs, never in "
                                                            "embed's, median of 2")
     stored[prediction.machine_key()][f"{TRACKING_OPENED}@embed"] = [1.5, 1.7]
+    assert prediction.tracking_part(spec, stored)[:2] == (TRACKING_OPENED, 1.6)
+    # with no engine started before it (a gated job's, a rerun's): as such openings here, else the opening after
+    # an engine's start + the stated extra at this machine's speed; an engine's run never reads those
+    name, seconds, source = prediction.tracking_part(spec, stored, alone=True)
+    assert (name, seconds) == (prediction.TRACKING_ALONE, pytest.approx(
+        1.6 + prediction.DEFAULT_TRACKING_ALONE_EXTRA * prediction.machine_speed()[0]))
+    assert "default: never opened here with no engine started before it" in source
+    stored[prediction.machine_key()][f"{prediction.TRACKING_ALONE}@embed"] = [2.1]
+    assert prediction.tracking_part(spec, stored, alone=True)[:2] == (prediction.TRACKING_ALONE, 2.1)
     assert prediction.tracking_part(spec, stored)[:2] == (TRACKING_OPENED, 1.6)
     first = prediction.orchestration_part(stored, key, 0.0, api_created=True)
     assert first.seconds == pytest.approx(7.0 + 0.2) and "creating its database" in first.source

@@ -154,6 +154,14 @@ DEFAULT_READING_PER_TOKEN = 2.1e-6
 # opening, ... s creating).
 TRACKING_OPENED, TRACKING_CREATED = "MLflow's store, opened", "MLflow's store, created"
 DEFAULT_TRACKING = {TRACKING_OPENED: 1.4, TRACKING_CREATED: 2.3}
+# Where no engine started before the store's opening in the process (MAIN_ALONE's runs: a gated job's, whose gate
+# starts the engines in the flow, and a rerun with nothing left to compute), the opening imports alone what MLflow
+# shares with an engine's import: stored apart, per mode (f"{TRACKING_ALONE}@{mode}"). On the 2-core EPYC with
+# AVX-512 (bench/PREDICTION.md runs 37a-38c, speed 0.96-1.3) the gated jobs' openings took 1.6-2.5 s, each run's
+# 0.3-0.6 s (median 0.55) over its other embedding jobs' median (1.3-1.6 s), which put every verdict-kept rerun
+# under. Never measured alone here: the opening after an engine's start, + this at speed 1.
+TRACKING_ALONE = f"{TRACKING_OPENED}, no engine started before it"
+DEFAULT_TRACKING_ALONE_EXTRA = 0.45
 # The orchestrator's API, the first time it starts on a machine, creates its database (tasks/warm.py marks
 # api_store_created when it is not there): stored apart under machine_key(); never measured, this at speed 1
 # (the quiet 2-core Xeon: 6.9 s, against 3.2 s for the same API's later starts).
@@ -1091,6 +1099,7 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
     able = runnable_engines(spec)[0]
     trial_runs = trials_run(spec, sample, able)
     idle = sample.shards == 0 and not trial_runs  # every shard finished: no engine starts (tasks/warm.py)
+    alone = idle or not trial_runs and not early_start  # no engine starts before the flow (MAIN_ALONE)
     if trial_runs and engine == trial_order(able)[-1]:
         start = Part(name="engine start", seconds=0.0, source=f"{engine}: kept open from its trial")
     elif trial_runs:
@@ -1101,7 +1110,7 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
         start = engine_start_part(spec, engine, sample, parts, trials, gate_makes)
     out = [Part(name="python imports", **_seconds(parts, fixed, "python imports")),
            orchestration_part(parts, fixed, 0.0 if trial_runs or not early_start else start.seconds,
-                              main_thread_parts(spec, sample, parts), alone=idle or not trial_runs and not early_start,
+                              main_thread_parts(spec, sample, parts, alone), alone=alone,
                               api_created=timeline.measures_process() and "api_store_created" in timeline.marks())]
     if trial_runs:
         out.append(trials_part(spec, sample, parts, able, trials, kept=engine == trial_order(able)[-1]))
@@ -1187,16 +1196,18 @@ def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
         + f") + engine start {engine_start:.1f} s; flow start {flow['seconds']:.1f} s ({flow['source']})"))
 
 
-def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any]) -> list[tuple[str, float, str]]:
+def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any],
+                      alone: bool = False) -> list[tuple[str, float, str]]:
     """The main thread's work measured apart from the rest of it, (name, seconds, source) each: reading the
-    job's sample; opening MLflow's store, or creating it where it is not there yet (a first run's); and
+    job's sample; opening MLflow's store (`alone`: with no engine started before it, TRACKING_ALONE), or
+    creating it where it is not there yet (a first run's); and
     writing the demo's sample corpus, where this process did before it predicted (a first `tokenmill run`
     of the demo: measured, since it is done); the machine's model probe, where this process ran it (a first
     command here: probe_speed); generating the answers' probe, where this process did
     (tokenmill.answer_probe: measured too; with the start of its engine where that is auto's trials' first,
     not the job's)."""
     read, read_source = reading_part(parts, spec.mode, sample.read_tokens)
-    out = [(READING, read, read_source), tracking_part(spec, parts)]
+    out = [(READING, read, read_source), tracking_part(spec, parts, alone)]
     marks = timeline.marks()
     written = _span(marks, "sample_corpus_start", "sample_corpus_written")
     if written and timeline.measures_process():
@@ -1217,12 +1228,23 @@ def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any]) -
     return out
 
 
-def tracking_part(spec: JobSpec, parts: dict[str, Any]) -> tuple[str, float, str]:
+def tracking_part(spec: JobSpec, parts: dict[str, Any], alone: bool = False) -> tuple[str, float, str]:
     """Opening the job's MLflow store, as this mode's runs here opened it (else other modes', else its creation
-    here less what creating adds), or creating it (TRACKING_CREATED) where it is a local file not there yet."""
+    here less what creating adds), or creating it (TRACKING_CREATED) where it is a local file not there yet.
+    alone: no engine starts before it in the process (TRACKING_ALONE): as this mode's runs opened it so, else
+    as they opened it after an engine's start, + DEFAULT_TRACKING_ALONE_EXTRA at this machine's speed."""
     store = local_tracking_store(spec)
     if store is not None and not store.exists():
         return (TRACKING_CREATED, *stored(parts, machine_key(), TRACKING_CREATED, DEFAULT_TRACKING[TRACKING_CREATED]))
+    if alone:
+        seconds, source = stored(parts, machine_key(), f"{TRACKING_ALONE}@{spec.mode}", None)
+        if seconds is not None:
+            return TRACKING_ALONE, seconds, source
+        _, seconds, source = tracking_part(spec, parts)
+        factor, speed = machine_speed()
+        return TRACKING_ALONE, seconds + DEFAULT_TRACKING_ALONE_EXTRA * factor, (
+            f"{source}, + {DEFAULT_TRACKING_ALONE_EXTRA:g} s{speed} (default: never opened here with no engine "
+            "started before it)")
     machine = parts.get(machine_key(), {})
     seconds, source = stored(parts, machine_key(), f"{TRACKING_OPENED}@{spec.mode}", None)
     if seconds is not None:
@@ -1731,7 +1753,8 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     waited = _span(marks, "api_wait", "engine_choice_start") if trials_ran else 0.0
     early = _span(marks, "early_engine_start", "early_engine_ready")
     fixed = _process_parts(marks, trials_ran, trials + waited + early)
-    out = {fixed_key(spec, engine): fixed, **_machine_parts(spec, marks)}
+    out = {fixed_key(spec, engine): fixed,
+           **_machine_parts(spec, marks, alone=not trials_ran and "early_engine_start" not in marks)}
     gate = _span(marks, "gate_start", "gate_verdict_kept" if "gate_verdict_kept" in marks else "gate_measured")
     if gate:
         out.update(_gate_parts(spec, marks, gate_samples))
@@ -1779,10 +1802,10 @@ def _process_parts(marks: dict[str, float], trials_ran: bool, elsewhere: float) 
             (MAIN_BESIDE_TRIAL if trials_ran else MAIN if "early_engine_start" in marks else MAIN_ALONE): main}
 
 
-def _machine_parts(spec: JobSpec, marks: dict[str, float]) -> dict[str, dict[str, float]]:
+def _machine_parts(spec: JobSpec, marks: dict[str, float], alone: bool = False) -> dict[str, dict[str, float]]:
     """The parts any job's run measures for the next on this machine: the sample's reading (beside the tokens it
-    read), MLflow's store opened or created, the API's start that created its database, the interpreter probe's
-    milliseconds (machine_speed)."""
+    read), MLflow's store opened (`alone`: with no engine started before it, TRACKING_ALONE) or created, the API's
+    start that created its database, the interpreter probe's milliseconds (machine_speed)."""
     out: dict[str, dict[str, float]] = {}
     reading, made = _reading(marks), made_for(spec)
     if reading and made is not None and made.read_tokens:  # the tokens its prediction's sample read
@@ -1790,7 +1813,8 @@ def _machine_parts(spec: JobSpec, marks: dict[str, float]) -> dict[str, dict[str
     machine = {}
     name, seconds = _tracking(marks)
     if name:
-        machine[name if name == TRACKING_CREATED else f"{name}@{spec.mode}"] = seconds
+        opened = TRACKING_ALONE if alone else name
+        machine[name if name == TRACKING_CREATED else f"{opened}@{spec.mode}"] = seconds
     if "api_store_created" in marks:  # a first start here, apart from the API's later ones
         machine[API_CREATED] = _span(marks, "api_start", "api_ready")
     probed = command_interpreter_ms()
