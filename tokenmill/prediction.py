@@ -1753,8 +1753,7 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     waited = _span(marks, "api_wait", "engine_choice_start") if trials_ran else 0.0
     early = _span(marks, "early_engine_start", "early_engine_ready")
     fixed = _process_parts(marks, trials_ran, trials + waited + early)
-    out = {fixed_key(spec, engine): fixed,
-           **_machine_parts(spec, marks, alone=not trials_ran and "early_engine_start" not in marks)}
+    out = {fixed_key(spec, engine): fixed, **_machine_parts(spec, marks, alone=_no_engine_before(marks, trials_ran))}
     gate = _span(marks, "gate_start", "gate_verdict_kept" if "gate_verdict_kept" in marks else "gate_measured")
     if gate:
         out.update(_gate_parts(spec, marks, gate_samples))
@@ -1799,7 +1798,14 @@ def _process_parts(marks: dict[str, float], trials_ran: bool, elsewhere: float) 
             - _span(marks, "answer_probe_start", "answer_probe_done") - _model_probe(marks))
     api = {} if "api_store_created" in marks else {"orchestrator API": _span(marks, "api_start", "api_ready")}
     return {"python imports": _span(marks, "process", "cli_ready"), **api,
-            (MAIN_BESIDE_TRIAL if trials_ran else MAIN if "early_engine_start" in marks else MAIN_ALONE): main}
+            (MAIN_BESIDE_TRIAL if trials_ran else MAIN_ALONE if _no_engine_before(marks, trials_ran) else MAIN): main}
+
+
+def _no_engine_before(marks: dict[str, float], trials_ran: bool) -> bool:
+    """Whether no engine started on the main thread before the flow (no trials, no early start: a gated job's run,
+    a rerun's with nothing left to compute): its main thread's work (MAIN_ALONE) and MLflow's opening
+    (TRACKING_ALONE) are stored apart."""
+    return not trials_ran and "early_engine_start" not in marks
 
 
 def _machine_parts(spec: JobSpec, marks: dict[str, float], alone: bool = False) -> dict[str, dict[str, float]]:
@@ -1812,9 +1818,10 @@ def _machine_parts(spec: JobSpec, marks: dict[str, float], alone: bool = False) 
         out[reading_key(spec.mode)] = {READING: reading, READ_TOKENS: float(made.read_tokens)}
     machine = {}
     name, seconds = _tracking(marks)
-    if name:
-        opened = TRACKING_ALONE if alone else name
-        machine[name if name == TRACKING_CREATED else f"{opened}@{spec.mode}"] = seconds
+    if name == TRACKING_CREATED:
+        machine[name] = seconds
+    elif name:
+        machine[f"{TRACKING_ALONE if alone else name}@{spec.mode}"] = seconds
     if "api_store_created" in marks:  # a first start here, apart from the API's later ones
         machine[API_CREATED] = _span(marks, "api_start", "api_ready")
     probed = command_interpreter_ms()
