@@ -253,7 +253,7 @@ DEFAULT_GFLOPS = 228.0
 # The EPYC's whole runs since (run 23d, the bench's gated jobs): OpenVINO's int8 at 40,900-44,300 tokens/s on rows
 # of 32-125 tokens and 36,100-39,700 at 236-255, transformers' float32 at 7,600-8,150: 4.5-5.8x, so 5.0 (4.5 put a
 # first gated run's engine 10-15% over; a gate's 256-row sample costs its calls' overhead besides: GATE_BESIDES).
-# OpenVINO's float32 ran at 1.0x transformers' without VNNI, 2.0x on the EPYC, 1.1x with AMX: a gate's reference on
+# OpenVINO's float32 ran at 1.0x transformers' (on MKL) without VNNI, 2.0x on the EPYC, 1.1x with AMX: a gate's reference on
 # it is a model every first gate measures at its default, and the EPYC's first gate (run 23a) put its 256-row sample
 # at 1.7 s at 1.0x where it took ~0.9.
 # vLLM's float32 embedding ran at 0.44-0.47x transformers' on the AVX2 host and with AMX (its default, 3,200, is
@@ -275,8 +275,14 @@ DEFAULT_GFLOPS = 228.0
 # the machine's compute is theirs (compute_speed), so OpenVINO's int8 is priced against transformers' measured rate:
 # the bench's first gated runs there (bench/PREDICTION.md runs 30a-32c, the mixed corpus) ran it at 3.0-3.6x the
 # transformers engine's rate on the same corpus in the same run (median 3.4), where 3.3 / 0.85 put it at 3.9x and
-# their engine 0.1-0.7 s under in all six (2.6-3.3 s predicted, 2.7-3.7 measured): 3.4 x 0.85 = 2.9. Not measured on oneDNN with AVX2 alone.
-DEFAULT_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.6, ("openvino", "int8", "no-vnni"): 0.8,
+# their engine 0.1-0.7 s under in all six (2.6-3.3 s predicted, 2.7-3.7 measured): 3.4 x 0.85 = 2.9.
+# On oneDNN with AVX2 alone (a 2-core AMD EPYC of Zen 3, no AVX-512, no VNNI, 2026-12-02/03, bench/PREDICTION.md
+# runs 39a-b): the transformers engine at 4,490-5,430 tokens/s, ONNX Runtime's dynamic int8 at 9,384-10,044 in whole
+# gated runs (2.1x, 1.9x) and 9,543-9,993 on `make run`'s 256-row gate sample against transformers' 5,301 there
+# (1.8-1.9x), where 1.6 (MKL's era above) put both first gates' engine 2-3 s over (+19%, +22.5% in all); on that
+# sample OpenVINO's float32 at 6,412-6,530 (1.2x) and its static int8 at 5,826 (1.1x): 1.9, 1.2 and 1.1.
+DEFAULT_SPEEDUP = {("onnxruntime", "int8", "no-vnni"): 1.9, ("openvino", "int8", "no-vnni"): 1.1,
+                   ("openvino", None, "no-vnni"): 1.2,
                    ("onnxruntime", "int8", "vnni"): 3.4, ("openvino", "int8", "vnni"): 5.0,
                    ("onnxruntime", "int8", "amx"): 1.8, ("openvino", "int8", "amx"): 2.9,
                    ("openvino", None, "vnni"): 2.0, ("openvino", None, "amx"): 1.1, ("vllm", None, "vnni"): 2.1,
@@ -1412,6 +1418,14 @@ def restart_part(spec: JobSpec, engine: str) -> Part:
         f"{engine}: started again after its trial closed it, its library imported: {default:g} s{why}"))
 
 
+# A run's engine start where none ran here yet, as a share of its trial's start in the first run: the machine's
+# first start of an engine reads its library and model from a cold disk cache, the later ones from memory. The
+# transformers engine's first warm run (bench/PREDICTION.md, runs 28-39 on four hosts) started in 0.67-1.42 of its
+# trial's start, median 0.91 of 14 (0.74 and 0.77 on the AVX2 EPYC of runs 39a-b, where 1.0 put that run +9.4% and
+# +11.1% over): 0.9. Not measured for the others (vLLM's trial compiles on a first run: its start is no load's).
+TRIAL_TO_RUN_START = {"transformers": 0.9}
+
+
 def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict[str, Any], trials,
                       gate_makes: bool = False) -> Part:
     """The engine's start as runs here waited for it; before any run, as its trial measured it; and the
@@ -1419,7 +1433,9 @@ def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict
     seconds, source = stored(parts, engine_key(spec, engine), "engine start", default_start(engine, spec.mode))
     loads = [(m, t) for m, t in trials if not t.compiled]  # a trial that compiled: this start loads its graphs
     if source.startswith("default") and any(t.engine == engine for _, t in loads):
-        seconds, source = trial_start(spec, engine, sample, loads), "its trial's start, no run here yet"
+        share = TRIAL_TO_RUN_START.get(engine, 1.0)
+        seconds = trial_start(spec, engine, sample, loads) * share
+        source = f"its trial's start{f' x {share:g}' if share != 1.0 else ''}, no run here yet"
     elif source.startswith("default"):
         compiling, why = first_compile(spec, engine, parts, trials)
         if why:
@@ -1437,7 +1453,10 @@ def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict
 # EPYC with AVX-512 (2026-12-02, interpreter probe 11.7-12.1 ms, speed ~1.1) made the ONNX export in 1.6-1.9 s
 # with torch and transformers imported (TORCH_IMPORT_SECONDS), the int8 copies in 1.6 s and 11.9-14.1 s. Where
 # one was made here before (another version: other weights, libraries or corpus), its median seconds.
-DEFAULT_MAKE_SECONDS = {"onnx fp32": 1.5, "onnx quantized": 2.0, "openvino quantized": 11.0}
+# OpenVINO's int8 over the machine's speed where it was made: 9.7, 10.8 and 10.3 s on the EPYC with AVX-512 (runs
+# 37-38's first gates, speed 1.05-1.45), 10.3, 9.6 and 8.0 on a 2-core Zen 3 EPYC with AVX2 alone (runs 39a-b,
+# `make run`'s first gate there; speed 1.56-1.94), where 11 put each over: median 10.
+DEFAULT_MAKE_SECONDS = {"onnx fp32": 1.5, "onnx quantized": 2.0, "openvino quantized": 10.0}
 # Making a model imports torch where nothing in the process has yet: the ONNX export (tokenmill.onnx_models._export)
 # torch and transformers, OpenVINO's int8 NNCF (which imports torch); running ONNX Runtime or OpenVINO imports
 # neither (their engines load a session). On that EPYC at speed ~1.1, in fresh processes: torch and transformers'
