@@ -94,3 +94,28 @@ def test_the_flags_are_the_job_specs_fields():
         parser.parse_args(["run", "--engine", "tensorrt"])
     plan = parser.parse_args(["plan", "--window", "2h", "--calibration", "c.json"])  # plan's own flag
     assert plan.calibration == "c.json" and spec_from_args(plan).calibration is None
+
+
+def test_a_command_called_inside_an_engine_scope_leaves_its_engines_to_the_scope(tmp_path, monkeypatch):
+    """main() closes what engines a command left, so none is torn down by the interpreter's exit; but a caller
+    that holds an engine_scope around it (a notebook, a worker, this test session) keeps its engines until its
+    scope ends, and no later call starts them again."""
+    from tokenmill import engines
+    from tokenmill.cli import main
+
+    class Held:
+        closed = 0
+
+        def close(self):
+            Held.closed += 1
+
+    monkeypatch.setattr(engines, "_engines", {("held",): Held()})  # the process's engines, this test's alone
+    monkeypatch.setattr(engines, "_scope_depth", 0)  # not the session's scope: this test's is the outermost
+    with engines.engine_scope():
+        assert main(["spec-docs", "--out", str(tmp_path / "spec.md")]) == 0
+        assert Held.closed == 0 and ("held",) in engines._engines
+    assert Held.closed == 1 and not engines._engines  # the scope closed it when it ended
+    monkeypatch.setattr(engines, "_engines", {("held",): Held()})
+    assert engines._scope_depth == 0  # no scope held (a shell's `tokenmill`): main closes it
+    assert main(["spec-docs", "--out", str(tmp_path / "spec.md")]) == 0
+    assert Held.closed == 2 and not engines._engines

@@ -4,7 +4,7 @@ These run as separate processes, as a user runs them: the failure they guard aga
 (vLLM torn down by the interpreter's exit, aborting a job that had succeeded with exit
 134) only shows in a process that ends. `tokenmill run`'s exits on vLLM are checked where
 tests run it to its end anyway (conftest.assert_clean_exit): embedding in tests/test_resume.py
-(a resumed run, two at once; an idle rerun that opens no engine), generating in
+(a resumed run; an idle rerun that opens no engine; two at once on the transformers engine), generating in
 tests/test_openai_batch.py (a run; an idle rerun); `gate` and `calibrate` on vLLM here.
 """
 

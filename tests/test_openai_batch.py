@@ -406,7 +406,7 @@ def test_same_answers_as_vllm_run_batch(tmp_path):
 def test_embeddings_on_the_real_engine(tmp_path):
     """/v1/embeddings lines on vLLM (all-MiniLM-L6-v2): each input's vector is the one the engine gives
     that text alone, a list input gets one per item, and the lines parse as CreateEmbeddingResponse."""
-    from tokenmill.engines import start_engine
+    from tokenmill.engines import get_engine
     from tokenmill.models import load_tokenizer
 
     texts = QUESTIONS[:24]
@@ -420,12 +420,9 @@ def test_embeddings_on_the_real_engine(tmp_path):
     (shard,) = discover_shards(str(path))
     model_dir = resolve_model(spec.model_name)
     with engine_lock():
-        engine = start_engine(model_dir, spec)
-        try:
-            result = run_openai_batch_shard(shard, resolve_job(spec), engine)
-            plain = engine.embed(load_tokenizer(model_dir)(texts, add_special_tokens=True)["input_ids"])
-        finally:
-            engine.close()
+        engine = get_engine(model_dir, spec)  # the session's MiniLM engine (tests/conftest.py), not a start of its own
+        result = run_openai_batch_shard(shard, resolve_job(spec), engine)
+        plain = engine.embed(load_tokenizer(model_dir)(texts, add_special_tokens=True)["input_ids"])
     assert (result.rows_in, result.rows_out, result.rows_rejected) == (26, 25, 1)
     Batch.model_validate(write_batch_files(spec, [result]))
     bodies = {r["custom_id"]: CreateEmbeddingResponse.model_validate(r["response"]["body"])

@@ -420,10 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         # The flows close their engines; this catches one a failing command left, so that no
-        # engine is torn down by the interpreter's exit (see VLLMEngine.close).
-        from tokenmill.engines import close_engines
+        # engine is torn down by the interpreter's exit (see VLLMEngine.close). A caller that holds an
+        # engine_scope around main() (a notebook, a worker) keeps its engines until its scope ends.
+        from tokenmill.engines import close_unscoped_engines
 
-        close_engines()
+        close_unscoped_engines()
 
 
 def command() -> None:

@@ -127,6 +127,15 @@ def close_engines() -> None:
         engine.close()
 
 
+def close_unscoped_engines() -> None:
+    """close_engines, unless a caller holds an engine_scope (a notebook, a worker, a test session that
+    calls a command in-process): then its engines are the scope's to close when it ends."""
+    with _engines_lock:
+        if _scope_depth > 0:
+            return
+    close_engines()
+
+
 _exit_hook_registered = False
 
 
