@@ -210,6 +210,11 @@ def report(results: list[tuple[Job, dict]], calibration: tuple[float, str], seco
              *(__doc__.split("\n\n", 2)[2].strip().splitlines()), "", *rows, "",
              f"|error|: median {statistics.median(errors):.1%}, mean {statistics.fmean(errors):.1%}, "
              f"max {max(errors):.1%}; **{met} of {len(errors)} within {GOAL:.0%}**.", "",
+             *[f"- {job.name}: the gate ran the corpus on another model than the prediction assumed; the prediction's "
+               f"branch for it (made before the run, from the same figures) said "
+               f"{r['metrics']['predicted_wall_seconds_as_gated']:.1f} s, {r['metrics']['predicted_wall_seconds_as_gated'] / r['wall'] - 1:+.1%}"
+               f" (the error above is the prediction's, unchanged)" for job, r in results
+               if "predicted_wall_seconds_as_gated" in r["metrics"]], "",
              "Fixed seconds measured = measured wall less the engine's seconds (the process's, from its record).",
              "", f"`tokenmill calibrate` on the mixed job took {calibration[0]:.0f} s and printed:", "",
              f"    {calibration[1]}", "", "The lines the runs printed before they started work:", ""]

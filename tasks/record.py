@@ -151,7 +151,7 @@ def predicted_against_measured_wall(spec: JobSpec, engine: str, engine_choice, m
     prediction.remember_run(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
                             shards_read=len(fresh), gate_samples=gate_samples)
     get_run_logger().info("%s", predicted.describe())
-    return prediction.compare(predicted, metrics)
+    return prediction.compare(predicted, metrics, ran=spec.model if gate_report is not None else None)
 
 
 def shard_table(spec: JobSpec, results: list[ShardResult], cached: set[str]) -> list[dict[str, Any]]:

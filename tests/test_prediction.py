@@ -957,6 +957,31 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
     assert "the corpus on all-MiniLM-L6-v2 (onnxruntime), the cheapest candidate at the engines' default rates" \
         in part.source and re.search(r"if none passes, the reference runs the corpus: \+[\d,]+ s", part.source)
     assert "kept open from the gate" in first.part("engine start").source
+    # each model the gate may pick, from the same figures: the assumed one is the prediction; the record holds the
+    # one that ran beside the measured wall, the prediction's own error left as it is
+    reference, candidate = spec.gate.reference, gate.candidate_models(spec)[0]
+    assert set(first.branches) == {prediction.branch_key(reference), prediction.branch_key(candidate)}
+    assert first.branches[prediction.branch_key(candidate)][1] == pytest.approx(first.seconds)
+    label, on_reference, reference_exit = first.branches[prediction.branch_key(reference)]
+    assert label == "all-MiniLM-L6-v2 (transformers)" and on_reference > first.seconds
+    said = float(re.search(r"if none passes, the reference runs the corpus: \+([\d,]+) s", part.source).group(1))
+    assert said == pytest.approx(on_reference - first.seconds, abs=0.5)
+    measured = {"process_seconds": 100.0}
+    as_gated = prediction.compare(first, measured, ran=reference)
+    assert as_gated["predicted_wall_seconds_as_gated"] == pytest.approx(on_reference)
+    assert as_gated["wall_prediction_error_as_gated"] == pytest.approx((on_reference - reference_exit) / 100.0 - 1)
+    assert as_gated["wall_prediction_error"] == prediction.compare(first, measured)["wall_prediction_error"]
+    assert "predicted_wall_seconds_as_gated" not in prediction.compare(first, measured, ran=candidate)  # as assumed
+    from tokenmill.report import run_metrics, summary_markdown
+    from tokenmill.results import ShardResult
+
+    result = ShardResult(shard_id="s", fingerprint="f", uri="u", output="o", rows_in=10, rows_out=10, rows_rejected=0,
+                         rows_truncated=0, input_tokens=100, output_tokens=0, batches=1, real_tokens=20,
+                         padded_slots=20, baseline_padded_slots=20, engine_seconds=1.0, seconds=2.0)
+    ran = spec.model_copy(update={"model": reference})
+    metrics = {**run_metrics([result], 3.0, ran), **as_gated}
+    assert (f"the eval gate ran the corpus on all-MiniLM-L6-v2 (transformers), not the model the prediction assumed: "
+            f"predicted for it before the run {on_reference:.1f} s") in summary_markdown(ran, metrics, [result])
     # a gate that lets no candidate save enough at the default rates: the reference
     strict = spec.model_copy(update={"gate": spec.gate.model_copy(update={"min_saving": 0.9})})
     assert prediction.predict_job(strict).engine == "transformers"

@@ -309,7 +309,7 @@ def run_sample(resolved: ResolvedJob, texts: list[str], engine: Engine | None = 
     if job.mode == "embed" and keep:  # the corpus's own rows, as its run computes them: not computed twice
         kept = keep_sample_rows(job, resolved.model_path, resolved.engine, encoded.token_ids, outputs, seconds)
         if kept:
-            log.info("row cache: kept the gate's %d sample rows on %s for the corpus run", kept, _label(job))
+            log.info("row cache: kept the gate's %d sample rows on %s for the corpus run", kept, model_label(job))
     return SampleRun(outputs, encoded.token_ids, seconds, tokens, calls, untimed)
 
 
@@ -470,7 +470,7 @@ def _not_run(job: JobSpec, known: float, fastest: float, spec: JobSpec) -> Candi
     cost = RunCost.for_job(spec, rows=1, input_tokens=1_000_000, output_tokens=0, wall_seconds=1e6 / known,
                            engine_seconds=1e6 / known)
     return CandidateVerdict(
-        cost=ModelCost(model=_label(job), engine=job.model.engine, seconds=0.0, tokens=0, tokens_per_s=known,
+        cost=ModelCost(model=model_label(job), engine=job.model.engine, seconds=0.0, tokens=0, tokens_per_s=known,
                        usd_per_1m_tokens=cost.usd_per_1m_tokens),
         metrics=[], passed=False,
         skipped=f"not run: this machine measured it at {known:,.0f} tokens/s on rows of this length, and a "
@@ -570,13 +570,13 @@ def _cost(job: JobSpec, run: SampleRun, spec: JobSpec) -> ModelCost:
     cost = RunCost.for_job(spec, rows=len(run.outputs), input_tokens=run.tokens, output_tokens=0,
                            wall_seconds=run.seconds, engine_seconds=run.seconds)
     by_length = class_rates(run.calls)
-    return ModelCost(model=_label(job), engine=job.model.engine, seconds=run.seconds, tokens=run.tokens,
+    return ModelCost(model=model_label(job), engine=job.model.engine, seconds=run.seconds, tokens=run.tokens,
                      tokens_per_s=cost.tokens_per_s, usd_per_1m_tokens=cost.usd_per_1m_tokens,
                      rates_by_length={str(c): [mean, rate] for c, (mean, rate) in by_length.items()},
                      untimed_seconds=run.untimed_seconds)
 
 
-def _label(job: JobSpec) -> str:
+def model_label(job: JobSpec) -> str:
     return job.model_name + (f" [{job.model.quantization}]" if job.model.quantization else "") + \
         (f" [{job.model.dtype}]" if job.model.dtype != "auto" else "")
 

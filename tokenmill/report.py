@@ -148,6 +148,12 @@ def summary_markdown(spec: JobSpec, metrics: dict[str, float], results: list[Sha
                      f"{m['predicted_engine_seconds']:.1f} s vs {m['measured_engine_seconds']:.1f} s; fixed "
                      f"{m['predicted_fixed_seconds_to_record']:.1f} s vs {m['measured_fixed_seconds']:.1f} s; "
                      f"whole process predicted {m['predicted_wall_seconds']:.1f} s")
+        if "predicted_wall_seconds_as_gated" in m:  # the gate picked another model than the prediction assumed
+            lines.append(f"- the eval gate ran the corpus on {spec.model_name}"
+                         f"{f' [{spec.model.quantization}]' if spec.model.quantization else ''} ({spec.model.engine}), "
+                         f"not the model the prediction assumed: predicted for it before the run "
+                         f"{m['predicted_wall_seconds_as_gated']:.1f} s, to the record "
+                         f"{m['wall_prediction_error_as_gated']:+.1%} against the measured wall")
     return "\n".join(lines) + "\n"
 
 
