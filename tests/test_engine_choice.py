@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import TEXTS, write_parquet
+from tests.conftest import TEXTS, seed_trials, write_parquet
 from tokenmill import engine_choice
 from tokenmill.engine_choice import choose_engine, runnable_engines, trial_key, trial_rows
 from tokenmill.models import resolve_model
@@ -51,16 +51,6 @@ def test_one_runnable_engine_is_chosen_without_a_trial(trial_cache, corpus):
     choice = choose_engine(spec, job_rows=48)
     assert choice.engine == "vllm" and choice.trials == [] and "only engine" in choice.reason
     assert not (trial_cache / "engine-trials.json").exists()
-
-
-def seed_trials(spec: JobSpec, trials: list[dict]) -> None:
-    """Figures as an earlier trial on this machine would have cached them."""
-    model_path = resolve_model(spec.model_name)
-    rows = trial_rows(spec, model_path)
-    mean = sum(map(len, rows)) / len(rows)
-    key = trial_key(spec, model_path, engine_choice.device_label(), mean)
-    engine_choice._write_cache(key, [engine_choice.EngineTrial(**t) for t in trials], "test",
-                               engine_choice.trial_family(spec, model_path, engine_choice.device_label()), mean)
 
 
 def test_start_seconds_weigh_by_the_jobs_size(trial_cache, corpus):
