@@ -7,7 +7,8 @@ keys), and they route the core's log lines (retries, engine restarts) into the r
 - `process_shard_task(shard, spec)`: read, validate, tokenize, run, write one shard. Its
   result persists beside the job's outputs (`<output>/_state/`), so a later run on any
   machine finds it and skips the shard: resume comes with the task, also outside our flows.
-- `run_shards(spec, shards)`: that task over a list of shards, in order, on one engine.
+- `run_shards(spec, shards)`: that task over a list of shards, in order, on one engine (`auto`: chosen
+  for these shards' rows, as the first shard that computes asks for it).
 - `reject_duplicates_task(spec, shards, results)`: ids held by several shards go to rejects.
 - `write_manifest_task(spec, results, shards_total)`: `_manifest.json`; the final one also
   clears the output root of temporaries and stale shards.

@@ -15,6 +15,7 @@ from prefect.utilities.callables import get_call_parameters
 from tokenmill.audit import reject_cross_shard_duplicates
 from tokenmill.digest import stable_digest
 from tokenmill.dispatch import read_shard_list, write_shard_list
+from tokenmill.engine_choice import chosen_engine, expect_rows
 from tokenmill.engines import engine_scope
 from tokenmill.errors import InputError
 from tokenmill.manifest import build_manifest
@@ -26,6 +27,7 @@ from tokenmill.outputs import (
     move_stale_outputs,
     remove_leftover_temporaries,
 )
+from tokenmill.planning import estimate_rows
 from tokenmill.prompts import check_job_inputs
 from tokenmill.resolution import resolve_job
 from tokenmill.results import ShardResult, shard_cache_key
@@ -143,6 +145,13 @@ def run_shards(spec: JobSpec, shards: list[ShardSpec], keep_going: bool = False,
     """
     logger = get_run_logger()
     runs = ShardRuns()
+    if spec.model.engine == "auto" and shards and chosen_engine(spec) is None:
+        # chosen as the first shard that computes asks for its engine (none if every shard is cached), weighed
+        # by these shards' rows, as the flows choose (tasks/warm.py, the shard worker's choose-engine task)
+        try:
+            expect_rows(spec, estimate_rows(with_storage_secrets(spec), shards))
+        except Exception as exc:  # noqa: BLE001 - the shards meet and report what is wrong with the input
+            logger.warning("engine auto: rows of these shards not counted (%s): steady throughput decides", exc)
     with engine_scope():  # the engine ends with the loop, unless the caller holds an outer scope
         for shard in shards:
             if stop_by_passed(spec):  # the trough is over: the next run resumes from the finished shards

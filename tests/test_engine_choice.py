@@ -22,6 +22,7 @@ def trial_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(folder))
     monkeypatch.setattr(engine_choice, "_chosen", {})
     monkeypatch.setattr(engine_choice, "_chosen_rows", {})
+    monkeypatch.setattr(engine_choice, "_expected_rows", {})
     return folder
 
 
@@ -66,6 +67,20 @@ def test_start_seconds_weigh_by_the_jobs_size(trial_cache, corpus):
     assert large.cached and large.engine == "vllm" and "finishes" in large.reason
     assert large.predicted_seconds["vllm"] == pytest.approx(
         100.0 + large.job_tokens / 10_000.0)
+
+
+def test_a_choice_made_as_the_first_shard_asks_weighs_the_rows_the_caller_said_it_will_run(trial_cache, corpus):
+    """tokenmill.tasks.run_shards says how many rows its shards hold (expect_rows); the engine is chosen when the
+    first shard asks for it (resolve), none if every shard is cached, weighed by those rows."""
+    spec = JobSpec(input=str(corpus))
+    seed_trials(spec, [
+        dict(engine="vllm", start_seconds=100.0, tokens_per_s=12_000.0, rows=48, tokens=800, seconds=0.07),
+        dict(engine="transformers", start_seconds=1.0, tokens_per_s=10_000.0, rows=48, tokens=800, seconds=0.08),
+    ])
+    assert engine_choice.resolve(spec).model.engine == "vllm"  # rows unknown: steady throughput decides
+    engine_choice._chosen.clear()
+    engine_choice.expect_rows(spec, 48)
+    assert engine_choice.resolve(spec).model.engine == "transformers"  # 48 rows: vLLM's 100 s start decides
 
 
 def test_an_engine_closed_after_its_trial_in_this_process_is_charged_its_restart_not_its_first_start(corpus):

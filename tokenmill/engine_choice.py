@@ -221,6 +221,7 @@ def with_engine(spec: JobSpec, engine: str) -> JobSpec:
 
 _chosen: dict[str, EngineChoice] = {}  # per job spec, for this process
 _chosen_rows: dict[str, int | None] = {}  # the job rows each was chosen for
+_expected_rows: dict[str, int] = {}  # the rows a caller said this process will run (expect_rows), not chosen yet
 
 
 def _process_key(spec: JobSpec) -> str:
@@ -240,12 +241,21 @@ def ran_as(spec: JobSpec) -> JobSpec | None:
     return resolve(spec) if chosen_engine(spec) is not None else None
 
 
+def expect_rows(spec: JobSpec, rows: int) -> None:
+    """The rows this process will run for this spec, where `auto` has not chosen yet: a choice made later,
+    as the first shard asks for its engine (resolve), weighs the engines' starts by them (choose_engine's
+    job_rows). tokenmill.tasks.run_shards says so for the shards it runs: a flow composed of the tasks, on a
+    corpus of a few rows, runs on the engine that starts in a second, not on vLLM's 40 s start."""
+    _expected_rows[_process_key(spec)] = rows
+
+
 def resolve(spec: JobSpec) -> JobSpec:
-    """The spec with a concrete engine: as written, or the one `auto` chose (choosing now if needed),
-    with the streams its trial found fastest where the spec leaves them to auto."""
+    """The spec with a concrete engine: as written, or the one `auto` chose (choosing now if needed, for the
+    rows this process expects to run: expect_rows), with the streams its trial found fastest where the spec
+    leaves them to auto."""
     if spec.model.engine != "auto":
         return spec
-    choice = chosen_engine(spec) or choose_engine(spec)
+    choice = chosen_engine(spec) or choose_engine(spec, job_rows=_expected_rows.get(_process_key(spec)))
     chosen: dict[str, Any] = {"engine": choice.engine}
     trial = choice.trial(choice.engine)
     if trial is not None and trial.tokens_per_s_by_streams and not spec.model.cpu_streams:
