@@ -1622,20 +1622,21 @@ def predict_gated(spec: JobSpec) -> Prediction:
                          "model") if p.name == "engine start" else p for p in rest]
         return run.model_copy(update={"parts": [*run.parts[:2], gate, *rest]})
 
+    assumed_run = whole(out, model)
     branches = {}
     if verdict is None:  # the gate measures: each model it may pick, from the same figures
         for each in [spec.gate.reference, *candidate_models(spec)]:
-            run = out if each == model else predict(job_for(spec, each), sample, parts, [], early_start=False,
-                                                     gate_makes=True)
-            branch = whole(run, each)
+            branch = assumed_run if each == model else whole(
+                predict(job_for(spec, each), sample, parts, [], early_start=False, gate_makes=True), each)
             branches[branch_key(each)] = (model_label(job_for(spec, each)) + f" ({each.engine})", branch.seconds,
                                           getattr(branch.part("exit"), "seconds", 0.0))
     if assumed is not None:  # what the corpus would take on the reference, should no candidate pass
         on_reference = branches[branch_key(spec.gate.reference)][1]
         gate = gate.model_copy(update={"source": gate.source + (
-            f" (if none passes, the reference runs the corpus: {on_reference - whole(out, model).seconds:+,.0f} s)")})
+            f" (if none passes, the reference runs the corpus: {on_reference - assumed_run.seconds:+,.0f} s)")})
+        assumed_run = whole(out, model)  # with the gate part that says so
     _gate_keys[_job_key(spec)] = gate_key(spec)
-    return whole(out, model).model_copy(update={"branches": branches})
+    return assumed_run.model_copy(update={"branches": branches})
 
 
 def branch_key(model: ModelSpec) -> str:

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 
 from tokenmill.bucketing import PaddingStats
 from tokenmill.economics import RunCost, rate_per_s
+from tokenmill.gate import model_label
 from tokenmill.results import ShardResult
 from tokenmill.spec import JobSpec
 
@@ -149,8 +150,7 @@ def summary_markdown(spec: JobSpec, metrics: dict[str, float], results: list[Sha
                      f"{m['predicted_fixed_seconds_to_record']:.1f} s vs {m['measured_fixed_seconds']:.1f} s; "
                      f"whole process predicted {m['predicted_wall_seconds']:.1f} s")
         if "predicted_wall_seconds_as_gated" in m:  # the gate picked another model than the prediction assumed
-            lines.append(f"- the eval gate ran the corpus on {spec.model_name}"
-                         f"{f' [{spec.model.quantization}]' if spec.model.quantization else ''} ({spec.model.engine}), "
+            lines.append(f"- the eval gate ran the corpus on {model_label(spec)} ({spec.model.engine}), "
                          f"not the model the prediction assumed: predicted for it before the run "
                          f"{m['predicted_wall_seconds_as_gated']:.1f} s, to the record "
                          f"{m['wall_prediction_error_as_gated']:+.1%} against the measured wall")
