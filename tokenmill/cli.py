@@ -398,6 +398,10 @@ def cmd_spec_docs(args: argparse.Namespace) -> int:
     return 0
 
 
+# The commands that predict a job or record a run, and so read the machine's speed (tokenmill.prediction).
+PREDICTING = frozenset({"run", "gate", "calibrate", "plan", "index"})
+
+
 def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
@@ -408,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill import timeline
 
     timeline.mark("command_ready")  # a command: it probes the machine's speed and compute (tokenmill.prediction)
+    if args.command in PREDICTING and timeline.measures_process():
+        from tokenmill.device import start_interpreter_probes
+
+        start_interpreter_probes()  # read by its prediction or record: tokenmill.device.InterpreterProbes
     try:
         return {"run": cmd_run, "gate": cmd_gate, "calibrate": cmd_calibrate, "plan": cmd_plan,
                 "index": cmd_index, "search": cmd_search, "sample-corpus": cmd_sample_corpus,
@@ -422,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
         # The flows close their engines; this catches one a failing command left, so that no
         # engine is torn down by the interpreter's exit (see VLLMEngine.close). A caller that holds an
         # engine_scope around main() (a notebook, a worker) keeps its engines until its scope ends.
+        from tokenmill.device import stop_interpreter_probes
         from tokenmill.engines import close_unscoped_engines
 
+        stop_interpreter_probes()  # none outlives its command where nothing read them
         close_unscoped_engines()
 
 

@@ -186,24 +186,29 @@ def model_tokens_per_s() -> float | None:
 
 # The interpreter probe (interpreter_ms), a program for a fresh interpreter: a module's body of 60 functions and
 # 60 classes, compiled, run and each called, 5 times a round; the fastest of 7 rounds on the thread's CPU clock,
-# the collector held off.
+# the collector held off, printed as a reading. Given a count and a gap (argv: InterpreterProbes), that many
+# readings, the gap's seconds of sleep apart, each printed as it is read.
 _INTERPRETER_PROBE = """
-import gc, time
+import gc, sys, time
+readings, gap = (int(sys.argv[1]), float(sys.argv[2])) if len(sys.argv) > 2 else (1, 0.0)
 source = "\\n".join(
     f"def f{i}(a, b=1):\\n    return {{'k{i}': a + b, 'v': [a] * 3}}\\n\\n"
     f"class C{i}:\\n    x = {i}\\n\\n    def m(self):\\n        return self.x + {i}\\n" for i in range(60))
 gc.disable()
-best = float("inf")
-for _ in range(7):
-    started = time.thread_time()
-    for _ in range(5):
-        namespace = {}
-        exec(compile(source, "<interpreter probe>", "exec"), namespace)
-        total = 0
-        for i in range(60):
-            total += namespace[f"f{i}"](i)[f"k{i}"] + namespace[f"C{i}"]().m()
-    best = min(best, time.thread_time() - started)
-print(best * 1000)
+for reading in range(readings):
+    if reading:
+        time.sleep(gap)
+    best = float("inf")
+    for _ in range(7):
+        started = time.thread_time()
+        for _ in range(5):
+            namespace = {}
+            exec(compile(source, "<interpreter probe>", "exec"), namespace)
+            total = 0
+            for i in range(60):
+                total += namespace[f"f{i}"](i)[f"k{i}"] + namespace[f"C{i}"]().m()
+        best = min(best, time.thread_time() - started)
+    print(best * 1000, flush=True)
 """
 
 
@@ -222,3 +227,86 @@ def interpreter_ms() -> float:
     done = subprocess.run([sys.executable, "-I", "-S", "-c", _INTERPRETER_PROBE], capture_output=True,
                           text=True, timeout=60, check=True)
     return float(done.stdout)
+
+
+class InterpreterProbes:
+    """The interpreter probe's readings spread over a command's first seconds: `readings` of them, `gap` seconds
+    apart, in one fresh interpreter beside the command (tokenmill.cli starts it as the command is ready), each
+    read as it is printed. best() is the fastest reading so far (waiting for the first), and ends the rest.
+
+    Why several, seconds apart: what slows the probe on a shared host comes and goes over seconds, and one
+    reading, 0.1-0.3 s of rounds, falls inside a slow spell or not. On the 2-core EPYC of bench/PREDICTION.md run
+    42a the first command's one reading was 39.5 ms where the next commands' read 19.4-22.6, and that first
+    reading scaled every default part of the first job by 3.00 where 2.06 held (+52% on it); a trace of the
+    rounds beside a busy neighbour read 21-23 ms and 30-46 ms in spells of 0.2 to more than 4 s. The readings
+    run beside the command's own start (in a first command, beside the model probe, one thread of torch on the
+    other core): what the probe counts is its own thread's CPU clock, which a neighbour on the other core did
+    not move here (a pure-Python loop or a numpy product there: 18.8-20.8 ms against 18.8-20.3 without it)."""
+
+    def __init__(self, readings: int = 3, gap: float = 1.5):
+        import subprocess
+        import sys
+        import threading
+
+        self.readings: list[float] = []
+        self._first = threading.Event()
+        self._process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _INTERPRETER_PROBE, str(readings), str(gap)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+        self._reader = threading.Thread(target=self._read, name="interpreter-probes", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for line in self._process.stdout:
+                try:
+                    self.readings.append(float(line))
+                except ValueError:
+                    continue
+                self._first.set()
+        finally:
+            self._first.set()  # ended without a reading: best() answers None, not a wait
+
+    def best(self, timeout: float = 60.0) -> float | None:
+        """The fastest reading so far, once there is one (None where the probe ended or timed out without
+        one); the readings not yet taken are not taken."""
+        self._first.wait(timeout)
+        found = list(self.readings)
+        self.stop()
+        return min(found) if found else None
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+        self._reader.join(timeout=5)
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+
+
+_command_probes: InterpreterProbes | None = None
+
+
+def start_interpreter_probes() -> None:
+    """Start a command's interpreter probes (InterpreterProbes), once a process; tokenmill.cli calls it as a
+    command that predicts is ready, and take_interpreter_probes hands them to the prediction."""
+    global _command_probes
+    if _command_probes is None:
+        try:
+            _command_probes = InterpreterProbes()
+        except OSError:  # no interpreter to start: the prediction probes on its own (interpreter_ms) or not at all
+            _command_probes = None
+
+
+def take_interpreter_probes() -> InterpreterProbes | None:
+    """The command's probes, once: whoever takes them reads them (best()); None where none were started."""
+    global _command_probes
+    probes, _command_probes = _command_probes, None
+    return probes
+
+
+def stop_interpreter_probes() -> None:
+    """End probes no one took (a command that failed or predicted nothing), so none outlives its command."""
+    probes = take_interpreter_probes()
+    if probes is not None:
+        probes.stop()

@@ -51,7 +51,8 @@ from pydantic import BaseModel
 
 from tokenmill import call_costs, timeline
 from tokenmill.answer_probe import probe_answers
-from tokenmill.device import core_gflops, device_label, interpreter_ms, model_tokens_per_s, usable_cores
+from tokenmill.device import (core_gflops, device_label, interpreter_ms, model_tokens_per_s, take_interpreter_probes,
+                              usable_cores)
 from tokenmill.engine_choice import (
     TRIAL_MAX_TOKENS,
     TRIAL_ROWS,
@@ -579,13 +580,18 @@ def machine_key() -> str:
 
 def command_interpreter_ms() -> float | None:
     """The interpreter probe's milliseconds, measured once a process, where the process is a command's (it
-    marked command_ready: tokenmill.cli) and this is its first job; None elsewhere or where the probe fails."""
+    marked command_ready: tokenmill.cli) and this is its first job; None elsewhere or where the probe fails.
+    The fastest of the readings the command started as it was ready (tokenmill.device.InterpreterProbes: up to
+    3, 1.5 s apart; a first command asks after its model probe or answers' probe, seconds in, a later one at its
+    record), else one probe now (main() called without them: a test's)."""
     if not timeline.measures_process() or "command_ready" not in timeline.marks():
         return None
     global _interpreter_probed
     if _interpreter_probed is None:
         try:
-            _interpreter_probed = round(interpreter_ms(), 2)  # as stored: later commands read what this one read
+            probes = take_interpreter_probes()
+            probed = probes.best() if probes is not None else interpreter_ms()
+            _interpreter_probed = round(probed or 0.0, 2)  # as stored: later commands read what this one read
         except Exception:  # noqa: BLE001 - a probe that cannot run leaves the defaults as stated
             _interpreter_probed = 0.0
     return _interpreter_probed or None
