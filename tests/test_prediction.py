@@ -1002,6 +1002,7 @@ def test_a_gated_job_is_predicted_with_its_gate_then_the_model_the_gate_will_pic
     reference, candidate = spec.gate.reference, gate.candidate_models(spec)[0]
     assert set(first.branches) == {prediction.branch_key(reference), prediction.branch_key(candidate)}
     assert first.branches[prediction.branch_key(candidate)][1] == pytest.approx(first.seconds)
+    assert first.assumed == prediction.branch_key(candidate)  # the branch it is, named
     label, on_reference, reference_exit = first.branches[prediction.branch_key(reference)]
     assert label == "all-MiniLM-L6-v2 (transformers)" and on_reference > first.seconds
     said = float(re.search(r"if none passes, the reference runs the corpus: \+([\d,]+) s", part.source).group(1))

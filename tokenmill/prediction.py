@@ -367,6 +367,7 @@ class Prediction(BaseModel):
     # it assumes (predict_gated). Which model ran is the gate's verdict, measured, not a time: the record holds
     # the branch that ran beside the prediction (compare), the prediction's error left as it is.
     branches: dict[str, tuple[str, float, float]] = {}
+    assumed: str = ""  # the branch this prediction is (branch_key), where it has branches
 
     @property
     def seconds(self) -> float:
@@ -1642,7 +1643,7 @@ def predict_gated(spec: JobSpec) -> Prediction:
             f" (if none passes, the reference runs the corpus: {on_reference - assumed_run.seconds:+,.0f} s)")})
         assumed_run = whole(out, model)  # with the gate part that says so
     _gate_keys[_job_key(spec)] = gate_key(spec)
-    return assumed_run.model_copy(update={"branches": branches})
+    return assumed_run.model_copy(update={"branches": branches, "assumed": branch_key(model) if branches else ""})
 
 
 def branch_key(model: ModelSpec) -> str:
@@ -1977,7 +1978,7 @@ def compare(prediction: Prediction, metrics: dict[str, float], ran: ModelSpec | 
     if not wall:
         return out
     branch = prediction.branches.get(branch_key(ran)) if ran is not None else None
-    if branch is not None and abs(branch[1] - prediction.seconds) > 1e-9:
+    if branch is not None and branch_key(ran) != prediction.assumed:
         out.update(predicted_wall_seconds_as_gated=branch[1],
                    wall_prediction_error_as_gated=(branch[1] - branch[2]) / wall - 1.0)
     to_record = prediction.seconds - out["predicted_exit_seconds"]
