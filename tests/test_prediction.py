@@ -724,10 +724,10 @@ def test_a_command_probes_the_interpreter_once_a_process_and_nothing_else_does(m
         monkeypatch.setattr(prediction, "interpreter_ms", lambda: 1 / 0)
         assert prediction.command_interpreter_ms() is None
         # the readings the command started as it was ready (tokenmill.cli), where it started them: their fastest
-        started = device.InterpreterProbes(readings=2, gap=0.2)
+        started = device.InterpreterProbes(readings=2, gap=30)  # asked before the second: the first's
         monkeypatch.setattr(device, "_command_probes", started)
         monkeypatch.setattr(prediction, "_interpreter_probed", None)
-        assert prediction.command_interpreter_ms() == round(min(started.readings), 2)
+        assert prediction.command_interpreter_ms() == round(started.readings[0], 2) > 0
         assert device.take_interpreter_probes() is None and started._process.poll() is not None  # taken, ended
     finally:
         timeline.reset()
@@ -738,20 +738,21 @@ def test_a_command_probes_the_interpreter_once_a_process_and_nothing_else_does(m
 def test_a_commands_interpreter_probes_read_seconds_apart_and_end_with_it(monkeypatch, tmp_path):
     """tokenmill.device.InterpreterProbes, real: a fresh interpreter prints its readings the gap apart, best() is
     the fastest so far and ends the readings not yet taken (a first command asks seconds in, not after all of
-    them); a command that predicts starts them as it is ready, and none outlives the command, even one that
-    fails before anything read them."""
-    from tokenmill import cli, device, timeline
+    them); a command that reads them starts them as it is ready, once a process (a run always, a plan only where
+    no figure is stored here), and none outlives the command, even one that fails before anything read them."""
+    from tokenmill import cli, device, prediction, timeline
 
     probes = device.InterpreterProbes(readings=3, gap=0.3)
     deadline = time.monotonic() + 60
     while len(probes.readings) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(probes.readings) == 3 and all(0 < ms < 10_000 for ms in probes.readings)
-    assert probes.best() == min(probes.readings) and probes._process.poll() is not None
+    assert probes.best() == min(probes.readings[:3]) and probes._process.poll() is not None
 
     waiting = device.InterpreterProbes(readings=4, gap=30)
     asked = time.monotonic()
-    assert waiting.best() > 0 and len(waiting.readings) == 1  # the first reading, not the 90 s of the others
+    first = waiting.best()
+    assert first == waiting.readings[0] > 0 and len(waiting.readings) == 1  # not the 90 s of the others
     assert time.monotonic() - asked < 25 and waiting._process.poll() is not None
 
     started = []
@@ -762,11 +763,30 @@ def test_a_commands_interpreter_probes_read_seconds_apart_and_end_with_it(monkey
             started.append(self)
 
     monkeypatch.setattr(device, "InterpreterProbes", Recorded)
-    monkeypatch.setattr(device, "_command_probes", None)
-    monkeypatch.setattr(timeline, "_first_job", True)
-    assert cli.main(["search", "--index", str(tmp_path / "none"), "a query"]) == 2 and not started  # predicts nothing
-    assert cli.main(["run", "--config", str(tmp_path / "missing.yaml")]) == 2  # fails before any prediction read them
-    assert len(started) == 1 and started[0]._process.poll() is not None and device._command_probes is None
+    monkeypatch.setattr(prediction, "_interpreter_probed", None)
+    stored = {prediction.machine_key(): {prediction.INTERPRETER: [19.5]}}
+    monkeypatch.setattr(prediction, "read_parts", lambda: stored)
+    kept = dict(timeline._marks), timeline._first_job  # this process's, put back after
+    try:
+        for command in (["search", "--index", str(tmp_path / "none"), "a query"],  # predicts nothing
+                        ["plan", "--config", str(tmp_path / "missing.yaml"), "--window", "1h"]):  # a figure stored
+            monkeypatch.setattr(device, "_probes_started", False)
+            timeline._first_job = True
+            assert cli.main(command) == 2 and not started
+        stored.clear()  # none stored: a plan reads the command's; and a run's record stores it
+        for command in ("plan", "run"):
+            monkeypatch.setattr(device, "_probes_started", False)
+            timeline._first_job = True
+            argv = [command, "--config", str(tmp_path / "missing.yaml"), *(["--window", "1h"] * (command == "plan"))]
+            assert cli.main(argv) == 2  # fails before any prediction read them
+            assert started and started[-1]._process.poll() is not None and device._command_probes is None
+            assert cli.main(argv) == 2 and len(started) == 1 + (command == "run")  # once a process
+        assert len(started) == 2
+    finally:
+        timeline.reset()
+        timeline._marks.update(kept[0])
+        timeline._first_job = kept[1]
+
 
 
 def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_interpreter_nor_int8_runs(tmp_path, monkeypatch):

@@ -399,7 +399,7 @@ def cmd_spec_docs(args: argparse.Namespace) -> int:
 
 
 # The commands that predict a job or record a run, and so read the machine's speed (tokenmill.prediction).
-PREDICTING = frozenset({"run", "gate", "calibrate", "plan", "index"})
+PREDICTING = frozenset({"run", "calibrate", "plan"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,11 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill import timeline
 
     timeline.mark("command_ready")  # a command: it probes the machine's speed and compute (tokenmill.prediction)
-    if args.command in PREDICTING and timeline.measures_process():
-        from tokenmill.device import start_interpreter_probes
-
-        start_interpreter_probes()  # read by its prediction or record: tokenmill.device.InterpreterProbes
     try:
+        if args.command in PREDICTING and timeline.measures_process():
+            from tokenmill.prediction import start_command_probes
+
+            start_command_probes(records=args.command == "run")  # read by its prediction or its record
         return {"run": cmd_run, "gate": cmd_gate, "calibrate": cmd_calibrate, "plan": cmd_plan,
                 "index": cmd_index, "search": cmd_search, "sample-corpus": cmd_sample_corpus,
                 "spec-docs": cmd_spec_docs}[args.command](args)
@@ -433,8 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         from tokenmill.device import stop_interpreter_probes
         from tokenmill.engines import close_unscoped_engines
 
-        stop_interpreter_probes()  # none outlives its command where nothing read them
-        close_unscoped_engines()
+        try:
+            close_unscoped_engines()
+        finally:
+            stop_interpreter_probes()  # none outlives its command where nothing read them
 
 
 def command() -> None:

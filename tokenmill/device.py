@@ -231,8 +231,9 @@ def interpreter_ms() -> float:
 
 class InterpreterProbes:
     """The interpreter probe's readings spread over a command's first seconds: `readings` of them, `gap` seconds
-    apart, in one fresh interpreter beside the command (tokenmill.cli starts it as the command is ready), each
-    read as it is printed. best() is the fastest reading so far (waiting for the first), and ends the rest.
+    apart, in one fresh interpreter beside the command (started as a command that reads it is ready:
+    tokenmill.prediction.start_command_probes), each read as it is printed. best() is the fastest reading so far
+    (waiting for the first), and ends the rest.
 
     Why several, seconds apart: what slows the probe on a shared host comes and goes over seconds, and one
     reading, 0.1-0.3 s of rounds, falls inside a slow spell or not. On the 2-core EPYC of bench/PREDICTION.md run
@@ -254,7 +255,12 @@ class InterpreterProbes:
             [sys.executable, "-I", "-S", "-c", _INTERPRETER_PROBE, str(readings), str(gap)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
         self._reader = threading.Thread(target=self._read, name="interpreter-probes", daemon=True)
-        self._reader.start()
+        try:
+            self._reader.start()
+        except BaseException:  # no thread to read it: no process left without an owner
+            self._process.kill()
+            self._process.wait()
+            raise
 
     def _read(self) -> None:
         try:
@@ -280,22 +286,26 @@ class InterpreterProbes:
             self._process.kill()
         self._process.wait()
         self._reader.join(timeout=5)
-        if self._process.stdout is not None:
+        if self._process.stdout is not None and not self._reader.is_alive():  # a reader still in a read keeps it
             self._process.stdout.close()
 
 
 _command_probes: InterpreterProbes | None = None
+_probes_started = False
 
 
 def start_interpreter_probes() -> None:
-    """Start a command's interpreter probes (InterpreterProbes), once a process; tokenmill.cli calls it as a
-    command that predicts is ready, and take_interpreter_probes hands them to the prediction."""
-    global _command_probes
-    if _command_probes is None:
-        try:
-            _command_probes = InterpreterProbes()
-        except OSError:  # no interpreter to start: the prediction probes on its own (interpreter_ms) or not at all
-            _command_probes = None
+    """Start a command's interpreter probes (InterpreterProbes), once a process (a notebook's or a worker's
+    later main() calls read the figure their first read, or none); tokenmill.prediction.start_command_probes
+    asks as a command that reads them is ready, and take_interpreter_probes hands them to the prediction."""
+    global _command_probes, _probes_started
+    if _probes_started:
+        return
+    _probes_started = True
+    try:
+        _command_probes = InterpreterProbes()
+    except Exception:  # noqa: BLE001 - none started: the prediction probes on its own (interpreter_ms) or not at all
+        _command_probes = None
 
 
 def take_interpreter_probes() -> InterpreterProbes | None:

@@ -51,8 +51,8 @@ from pydantic import BaseModel
 
 from tokenmill import call_costs, timeline
 from tokenmill.answer_probe import probe_answers
-from tokenmill.device import (core_gflops, device_label, interpreter_ms, model_tokens_per_s, take_interpreter_probes,
-                              usable_cores)
+from tokenmill.device import (core_gflops, device_label, interpreter_ms, model_tokens_per_s, start_interpreter_probes,
+                              take_interpreter_probes, usable_cores)
 from tokenmill.engine_choice import (
     TRIAL_MAX_TOKENS,
     TRIAL_ROWS,
@@ -489,7 +489,8 @@ def rate_points(spec: JobSpec, engine: str, parts: dict[str, Any], trials,
 def machine_speed() -> tuple[float, str]:
     """How much slower than the machine the defaults were measured on this one is, by a probe of the
     interpreter's pace (tokenmill.device.interpreter_ms: a module's body compiled, run and called, the fastest
-    of 7 rounds) against the defaults' machine's (DEFAULT_INTERPRETER_MS). The first command that predicts on this
+    of 7 rounds; a command's, the fastest of up to 3 such readings 1.5 s apart: command_interpreter_ms) against
+    the defaults' machine's (DEFAULT_INTERPRETER_MS). The first command that predicts on this
     device stores its figure under machine_key(), and every run adds its own (measured_parts): the lower quartile of
     the last KEEP_LAST (interpreter_speed). Only a run changes it, as it changes every measured part, so plan,
     calibrate and run of one job scale their defaults alike. It scales every default: seconds up, tokens/s down (two
@@ -599,6 +600,18 @@ def command_interpreter_ms() -> float | None:
 
 
 _interpreter_probed: float | None = None
+
+
+def start_command_probes(records: bool) -> None:
+    """Start the interpreter probes of a command that reads them (tokenmill.cli, as the command is ready:
+    tokenmill.device.InterpreterProbes): a run's record stores its figure, so a run's always; a plan's or a
+    calibration's prediction reads it only where none is stored here yet, so theirs then alone (else they would
+    run beside its engine trials or its sweep for nothing)."""
+    if _interpreter_probed is not None:
+        return
+    if not records and read_parts().get(machine_key(), {}).get(INTERPRETER):
+        return
+    start_interpreter_probes()
 
 
 def command_imports_seconds() -> float | None:
