@@ -788,7 +788,6 @@ def test_a_commands_interpreter_probes_read_seconds_apart_and_end_with_it(monkey
         timeline._first_job = kept[1]
 
 
-
 def test_a_cpus_default_rates_follow_its_probed_compute_stored_once_not_its_interpreter_nor_int8_runs(tmp_path, monkeypatch):
     """Before any run here, a CPU's default embedding tokens/s are divided by the defaults' machine's matrix-product rate
     over this one's (one core's probe times the cores), probed by the first command and stored, so every later
