@@ -21,6 +21,8 @@ whole bench is kept under ~25 minutes. Two jobs are held out: a corpus of anothe
 again, planned with the answers its first run measured. The last three run
 `make run`'s eval gate (jobs/demo.yaml: OpenVINO, no engine any job before them ran): predicted with
 the gate, then the corpus on the model the gate will pick (a verdict kept here, else the reference).
+Beside the jobs, the interpreter probe reads the host's pace every 10 s (HostWatch, ~2% of one core): each
+row says what it read while that job ran, so a miss in one of the host's slow spells shows as one.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from bench import corpora
+from tokenmill.device import _INTERPRETER_PROBE
 from tokenmill.models import prepare_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,6 +141,59 @@ def parts_measured(before: dict, after: dict) -> str:
     return "; ".join(out)
 
 
+class HostWatch:
+    """The host's pace through the whole bench: the interpreter probe that predictions read
+    (tokenmill.device.InterpreterProbes' program), one reading (~0.2 s of one core) every WATCH_GAP seconds in a
+    process of its own, each kept with its time. Each job's row gets the readings taken while it ran, so a miss
+    can be told from the host's slow spells: on this shared 2-core host the probe read 20 ms and 30-45 ms by
+    turns, seconds apart, with nothing of tokenmill's running (2026-12-03, both cores alike)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.readings: list[tuple[float, float]] = []
+        self._process = subprocess.Popen([sys.executable, "-I", "-S", "-c", _INTERPRETER_PROBE, "100000",
+                                          str(WATCH_GAP)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         stdin=subprocess.DEVNULL, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            try:
+                self.readings.append((time.perf_counter(), float(line)))
+            except ValueError:
+                continue
+
+    def between(self, started: float, ended: float) -> list[float]:
+        return [ms for at, ms in self.readings if started <= at <= ended]
+
+    def stop(self) -> None:
+        self._process.kill()
+        self._process.wait()
+        self._reader.join(timeout=5)
+
+
+WATCH_GAP = 10.0
+_watch: HostWatch | None = None
+
+
+def host_during(r: dict) -> str:
+    """The host's readings while a job ran: their median and how many were slow (over SLOW x the bench's
+    fastest reading)."""
+    if _watch is None or not _watch.readings:
+        return ""
+    floor = min(ms for _, ms in _watch.readings)
+    during = _watch.between(r["started"], r["started"] + r["wall"])
+    if not during:
+        return "none"
+    slow = sum(ms > SLOW * floor for ms in during)
+    return f"{statistics.median(during):.1f} ms, {slow} of {len(during)} slow"
+
+
+SLOW = 1.3
+
+
 def run_job(path: Path, output: Path) -> dict:
     shutil.rmtree(output, ignore_errors=True)  # the whole job every time (its row cache lives in it too)
     before = parts_now()
@@ -153,7 +209,7 @@ def run_job(path: Path, output: Path) -> dict:
     client = MlflowClient(f"sqlite:///{WORK / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("tokenmill-bench-prediction").experiment_id
     run = client.search_runs([experiment], order_by=["attributes.start_time DESC"], max_results=1)[0]
-    return {"wall": wall, "line": line, "metrics": dict(run.data.metrics), "engine": run.data.params.get("engine"),
+    return {"wall": wall, "started": started, "line": line, "metrics": dict(run.data.metrics), "engine": run.data.params.get("engine"),
             "measured": parts_measured(before, parts_now())}
 
 
@@ -173,8 +229,8 @@ def calibrate(job: Job, index: int) -> tuple[Path, float, str]:
 
 def table(results: list[tuple[Job, dict]]) -> list[str]:
     lines = ["| job | rows | engine | predicted wall s | measured wall s | error | predicted engine s | "
-             "measured engine s | predicted fixed s | measured fixed s | default parts |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "measured engine s | predicted fixed s | measured fixed s | default parts | host's probe while it ran |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for job, r in results:
         m = r["metrics"]
         predicted = m.get("predicted_wall_seconds", float("nan"))
@@ -184,9 +240,19 @@ def table(results: list[tuple[Job, dict]]) -> list[str]:
                      f"{r['wall']:.1f} | {error:+.1%}{'' if abs(error) <= GOAL else ' **miss**'} | "
                      f"{m.get('predicted_engine_seconds', 0):.1f} | {m.get('engine_seconds', 0):.1f} | "
                      f"{m.get('predicted_fixed_seconds', 0):.1f} | {r['wall'] - m.get('engine_seconds', 0):.1f} | "
-                     f"{m.get('predicted_default_parts', 0):.0f} |")
+                     f"{m.get('predicted_default_parts', 0):.0f} | {host_during(r)} |")
         r["error"], r["exit"] = error, exit_part
     return lines
+
+
+def host_summary() -> list[str]:
+    if _watch is None or not _watch.readings:
+        return []
+    values = sorted(ms for _, ms in _watch.readings)
+    slow = sum(ms > SLOW * values[0] for ms in values)
+    return [f"The host's pace through the bench (HostWatch: the interpreter probe every {WATCH_GAP:g} s beside the "
+            f"jobs): {len(values)} readings, fastest {values[0]:.1f} ms, median {statistics.median(values):.1f} ms, "
+            f"{slow} slow (over {SLOW:g}x the fastest). A job's column above counts its own."]
 
 
 def trial_lines() -> list[str]:
@@ -210,6 +276,7 @@ def report(results: list[tuple[Job, dict]], calibration: tuple[float, str], seco
              *(__doc__.split("\n\n", 2)[2].strip().splitlines()), "", *rows, "",
              f"|error|: median {statistics.median(errors):.1%}, mean {statistics.fmean(errors):.1%}, "
              f"max {max(errors):.1%}; **{met} of {len(errors)} within {GOAL:.0%}**.", "",
+             *host_summary(), "",
              *[f"- {job.name}: the gate ran the corpus on another model than the prediction assumed; the prediction's "
                f"branch for it (made before the run, from the same figures) said "
                f"{r['metrics']['predicted_wall_seconds_as_gated']:.1f} s, {r['metrics']['predicted_wall_seconds_as_gated'] / r['wall'] - 1:+.1%}"
@@ -256,15 +323,20 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[variable] = str(WORK / folder)
     (WORK / "mlflow.db").unlink(missing_ok=True)
     new_models_home()
+    global _watch
+    _watch = HostWatch()
     results, calibration = [], (0.0, "")
-    for index, job in enumerate(jobs(args.quick)):
-        if "calibration" in job.fields and not calibration[1]:
-            path, seconds, line = calibrate(job, index)
-            calibration = (seconds, line)
-        out = job_file(job, index, WORK / "calibration" / "calibration.json")
-        result = run_job(out, WORK / "out" / f"job-{index}")
-        print(f"{job.name}: measured {result['wall']:.1f} s; {result['line']}", flush=True)
-        results.append((job, result))
+    try:
+        for index, job in enumerate(jobs(args.quick)):
+            if "calibration" in job.fields and not calibration[1]:
+                path, seconds, line = calibrate(job, index)
+                calibration = (seconds, line)
+            out = job_file(job, index, WORK / "calibration" / "calibration.json")
+            result = run_job(out, WORK / "out" / f"job-{index}")
+            print(f"{job.name}: measured {result['wall']:.1f} s; {result['line']}", flush=True)
+            results.append((job, result))
+    finally:
+        _watch.stop()
     text = report(results, calibration, time.perf_counter() - started, args.quick)
     target = WORK / "PREDICTION-quick.md" if args.quick else REPORT
     target.write_text(text)
