@@ -151,7 +151,10 @@ def test_the_engine_stops_sending_before_stop_by_and_drains(server, tmp_path):
         assert datetime.now(timezone.utc) < stop_by - timedelta(seconds=2)  # started with time to run
         with pytest.raises(StopByReached, match="stop_by"):
             engine.generate(ids, spec.generation.model_copy(update={"max_tokens": 64, "min_tokens": 64}))
-        assert datetime.now(timezone.utc) < stop_by + timedelta(seconds=2)  # drained about when it said
+        # drained as it said: nothing sent once a request would not finish by stop_by (its p90 so far), so the
+        # last one out ends at most one request's time past it (a bound from what ran, not the host's pace)
+        late = (datetime.now(timezone.utc) - stop_by).total_seconds()
+        assert late < max(engine.stats.latencies) + 1.0, (late, max(engine.stats.latencies))
         assert 0 < engine.stats.requests < 400 and engine._in_flight == 0  # some sent, the rest left, none hanging
     finally:
         discard_engine(path, spec)
@@ -163,7 +166,9 @@ def test_stop_by_ends_cleanly_a_killed_server_stops_the_job_and_the_rerun_resume
     stops with its finished shards kept; the third, the server back, redoes only the unfinished shards."""
     from datetime import datetime, timedelta, timezone
 
+    from tokenmill.engines import open_engines
     from tokenmill.flows.batch import batch_flow
+    from tokenmill.server_engine import ServerEngine
 
     corpus(tmp_path / "in.parquet", shards=6, rows=8)
     spec = server_job(tmp_path, server.url, shard_rows=8, mlflow_uri=server.mlflow, max_retries=1, probe=False,
@@ -174,7 +179,9 @@ def test_stop_by_ends_cleanly_a_killed_server_stops_the_job_and_the_rerun_resume
 
     stop_by = datetime.now(timezone.utc) + timedelta(seconds=8)  # a warm flow starts its shards in ~3 s
     record = batch_flow(spec.model_copy(update={"stop_by": stop_by.isoformat()}))  # ends cleanly: no raise
-    assert datetime.now(timezone.utc) < stop_by + timedelta(seconds=5)  # drained by then, not much after
+    late = (datetime.now(timezone.utc) - stop_by).total_seconds()
+    longest = max(max(e.stats.latencies, default=0.0) for e in open_engines() if isinstance(e, ServerEngine))
+    assert late < longest + 5.0, (late, longest)  # drained then, the last request's time at most, and recorded
     stopped = len(list(records.iterdir())) if records.exists() else 0
     assert record.metrics["rows_in"] < 48 and stopped < 6
     assert record.metrics["rows_in"] == record.metrics["rows_out"] + record.metrics["rows_rejected"]
