@@ -21,7 +21,7 @@ whole bench is kept under ~25 minutes. Two jobs are held out: a corpus of anothe
 again, planned with the answers its first run measured. The last three run
 `make run`'s eval gate (jobs/demo.yaml: OpenVINO, no engine any job before them ran): predicted with
 the gate, then the corpus on the model the gate will pick (a verdict kept here, else the reference).
-Beside the jobs, the interpreter probe reads the host's pace every 10 s (HostWatch, ~2% of one core): each
+Beside the jobs, the interpreter probe reads the host's pace every 10 s (host_watch, ~2% of one core): each
 row says what it read while that job ran, so a miss in one of the host's slow spells shows as one.
 """
 
@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from bench import corpora
-from tokenmill.device import _INTERPRETER_PROBE
+from tokenmill.device import InterpreterProbes
 from tokenmill.models import prepare_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,41 +141,17 @@ def parts_measured(before: dict, after: dict) -> str:
     return "; ".join(out)
 
 
-class HostWatch:
+def host_watch() -> InterpreterProbes:
     """The host's pace through the whole bench: the interpreter probe that predictions read
-    (tokenmill.device.InterpreterProbes' program), one reading (~0.2 s of one core) every WATCH_GAP seconds in a
-    process of its own, each kept with its time. Each job's row gets the readings taken while it ran, so a miss
-    can be told from the host's slow spells: on this shared 2-core host the probe read 20 ms and 30-45 ms by
-    turns, seconds apart, with nothing of tokenmill's running (2026-12-03, both cores alike)."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.readings: list[tuple[float, float]] = []
-        self._process = subprocess.Popen([sys.executable, "-I", "-S", "-c", _INTERPRETER_PROBE, "100000",
-                                          str(WATCH_GAP)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                         stdin=subprocess.DEVNULL, text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self._process.stdout:
-            try:
-                self.readings.append((time.perf_counter(), float(line)))
-            except ValueError:
-                continue
-
-    def between(self, started: float, ended: float) -> list[float]:
-        return [ms for at, ms in self.readings if started <= at <= ended]
-
-    def stop(self) -> None:
-        self._process.kill()
-        self._process.wait()
-        self._reader.join(timeout=5)
+    (tokenmill.device.InterpreterProbes), one reading (~0.2 s of one core) every WATCH_GAP seconds in a process
+    of its own, each kept with its time. Each job's row gets the readings taken while it ran, so a miss can be
+    told from the host's slow spells: on this shared 2-core host the probe read 20 ms and 30-45 ms by turns,
+    seconds apart, with nothing of tokenmill's running (2026-12-03, both cores alike)."""
+    return InterpreterProbes(readings=100_000, gap=WATCH_GAP)
 
 
 WATCH_GAP = 10.0
-_watch: HostWatch | None = None
+_watch: InterpreterProbes | None = None
 
 
 def host_during(r: dict) -> str:
@@ -183,7 +159,7 @@ def host_during(r: dict) -> str:
     fastest reading)."""
     if _watch is None or not _watch.readings:
         return ""
-    floor = min(ms for _, ms in _watch.readings)
+    floor = min(_watch.readings)
     during = _watch.between(r["started"], r["started"] + r["wall"])
     if not during:
         return "none"
@@ -209,8 +185,8 @@ def run_job(path: Path, output: Path) -> dict:
     client = MlflowClient(f"sqlite:///{WORK / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("tokenmill-bench-prediction").experiment_id
     run = client.search_runs([experiment], order_by=["attributes.start_time DESC"], max_results=1)[0]
-    return {"wall": wall, "started": started, "line": line, "metrics": dict(run.data.metrics), "engine": run.data.params.get("engine"),
-            "measured": parts_measured(before, parts_now())}
+    return {"wall": wall, "started": started, "line": line, "metrics": dict(run.data.metrics),
+            "engine": run.data.params.get("engine"), "measured": parts_measured(before, parts_now())}
 
 
 def calibrate(job: Job, index: int) -> tuple[Path, float, str]:
@@ -248,9 +224,9 @@ def table(results: list[tuple[Job, dict]]) -> list[str]:
 def host_summary() -> list[str]:
     if _watch is None or not _watch.readings:
         return []
-    values = sorted(ms for _, ms in _watch.readings)
+    values = sorted(_watch.readings)
     slow = sum(ms > SLOW * values[0] for ms in values)
-    return [f"The host's pace through the bench (HostWatch: the interpreter probe every {WATCH_GAP:g} s beside the "
+    return [f"The host's pace through the bench (host_watch: the interpreter probe every {WATCH_GAP:g} s beside the "
             f"jobs): {len(values)} readings, fastest {values[0]:.1f} ms, median {statistics.median(values):.1f} ms, "
             f"{slow} slow (over {SLOW:g}x the fastest). A job's column above counts its own."]
 
@@ -324,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     (WORK / "mlflow.db").unlink(missing_ok=True)
     new_models_home()
     global _watch
-    _watch = HostWatch()
+    _watch = host_watch()
     results, calibration = [], (0.0, "")
     try:
         for index, job in enumerate(jobs(args.quick)):

@@ -250,6 +250,7 @@ class InterpreterProbes:
         import threading
 
         self.readings: list[float] = []
+        self.taken_at: list[float] = []  # time.perf_counter() as each reading was read, beside it
         self._first = threading.Event()
         self._process = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _INTERPRETER_PROBE, str(readings), str(gap)],
@@ -263,12 +264,16 @@ class InterpreterProbes:
             raise
 
     def _read(self) -> None:
+        import time
+
         try:
             for line in self._process.stdout:
                 try:
-                    self.readings.append(float(line))
+                    reading = float(line)
                 except ValueError:
                     continue
+                self.taken_at.append(time.perf_counter())
+                self.readings.append(reading)
                 self._first.set()
         finally:
             self._first.set()  # ended without a reading: best() answers None, not a wait
@@ -280,6 +285,10 @@ class InterpreterProbes:
         found = list(self.readings)
         self.stop()
         return min(found) if found else None
+
+    def between(self, started: float, ended: float) -> list[float]:
+        """The readings read between two time.perf_counter() times (a watch beside other work)."""
+        return [ms for at, ms in zip(list(self.taken_at), list(self.readings)) if started <= at <= ended]
 
     def stop(self) -> None:
         if self._process.poll() is None:
