@@ -1371,3 +1371,23 @@ def test_an_engines_default_rate_follows_the_cpus_class_as_measured(monkeypatch)
             onednn[1] * prediction.DEFAULT_TOKENS_PER_S[("transformers", "generate")])
         vllm_generate = prediction.default_rate("vllm", "generate") / prediction.DEFAULT_TOKENS_PER_S[("vllm", "generate")]
         assert vllm_generate == (1.4 if cpu == "vnni" else 1.0)  # vLLM's: 1.4x on the EPYC, as measured there
+
+
+def test_an_engines_exit_never_measured_alone_reads_its_exit_after_a_measuring_gate():
+    """A gated job's rerun with its verdict kept closes only the corpus's engine: where that exit was never
+    measured alone but the gate's run measured the same engine's exit beside the gate's models, it is read from
+    that measurement, said so, not from the default; a measured exit alone wins; neither falls to the default."""
+    from tokenmill import prediction
+
+    key = "cpu-test|openvino|embed"
+    gated_only = {key: {prediction.GATE_EXIT: [0.9]}}
+    part = prediction.exit_part(gated_only, key, "openvino", gate_makes=False, idle=False)
+    assert part.seconds == pytest.approx(0.9) and not part.is_default
+    assert "after a measuring gate" in part.source
+    both = {key: {prediction.GATE_EXIT: [0.9], "exit": [0.6, 0.7, 0.8]}}
+    assert prediction.exit_part(both, key, "openvino", gate_makes=False, idle=False).seconds == pytest.approx(0.7)
+    assert prediction.exit_part(both, key, "openvino", gate_makes=True, idle=False).seconds == pytest.approx(0.9)
+    neither = prediction.exit_part({}, key, "openvino", gate_makes=False, idle=False)
+    assert neither.is_default and "never measured here" in neither.source
+    # another engine's gate exit is not this one's
+    assert prediction.exit_part(gated_only, "cpu-test|onnxruntime|embed", "onnxruntime", False, False).is_default
