@@ -1184,13 +1184,12 @@ def exit_part(parts: dict[str, Any], fixed: str, engine: str, gate_makes: bool, 
     if idle:
         seconds, source = stored(parts, fixed, IDLE_EXIT, DEFAULT_IDLE_EXIT.get(engine, 2.2))
         return Part(name="exit", seconds=seconds, source=f"no engine to close ({engine}): {source}")
-    seconds, source = stored(parts, fixed, "exit", None)
-    if seconds is None:
+    measured = parts.get(fixed, {})
+    if measured.get("exit") or not measured.get(GATE_EXIT):
+        seconds, source = stored(parts, fixed, "exit", default_exit(engine))
+    else:
         seconds, source = stored(parts, fixed, GATE_EXIT, None)
-        if seconds is None:
-            seconds, source = stored(parts, fixed, "exit", default_exit(engine))
-        else:
-            source = f"never measured here alone, read from its exit after a measuring gate ({source})"
+        source = f"never measured here alone, read from its exit after a measuring gate ({source})"
     return Part(name="exit", seconds=seconds, source=f"{engine}: {source}")
 
 
