@@ -457,11 +457,19 @@ def test_a_first_vllm_start_of_a_model_here_pays_its_compile_and_later_starts_lo
         prediction.default_start("vllm", "embed"))
     loaded = compiled_trial.model_copy(update={"start_seconds": 30.0, "compiled": False})
     assert engine_start_part(spec, "vllm", sample, {}, [(20.0, compiled_trial), (20.0, loaded)]).seconds == 30.0
-    # the transformers engine's first run starts in 0.9 of its trial's start (the trial read it from a cold cache)
+    # the transformers engine's first run starts in 0.9 of its trial's start (the trial read it from a cold cache);
+    # where that trial was the engine's first start here, weighed with its default at this machine's speed
     hf = JobSpec.model_validate({**spec.model_dump(), "model": {"name": "all-MiniLM-L6-v2", "engine": "transformers"}})
     hf_trial = loaded.model_copy(update={"engine": "transformers", "start_seconds": 10.0})
     part = engine_start_part(hf, "transformers", sample, {}, [(20.0, hf_trial)])
-    assert part.seconds == pytest.approx(9.0) and "its trial's start x 0.9" in part.source
+    default_here = prediction.default_start("transformers", "embed") * prediction.machine_speed()[0]
+    assert part.seconds == pytest.approx((9.0 * default_here) ** 0.5)
+    assert "geometric mean of its trial's start x 0.9, 9.0 s" in part.source and "first start here" in part.source
+    # a run here started it before (another model): the library is read from memory, the trial's start stands
+    other_model = {f"{engine_key(hf, 'transformers').rsplit('|', 2)[0]}|SmolLM2-135M-Instruct|generate":
+                   {"engine start": [0.5]}}
+    part = engine_start_part(hf, "transformers", sample, other_model, [(20.0, hf_trial)])
+    assert part.seconds == pytest.approx(9.0) and part.source.startswith("transformers: its trial's start x 0.9")
     # what tells them apart: a start that adds a folder to vLLM's torch.compile cache compiled
     assert compiled_graphs() == set()
     (tmp_path / "vllm" / "torch_compile_cache" / "torch_aot_compile" / "0a1b").mkdir(parents=True)

@@ -1468,6 +1468,21 @@ def restart_part(spec: JobSpec, engine: str) -> Part:
 # trial's start, median 0.91 of 14 (0.74 and 0.77 on the AVX2 EPYC of runs 39a-b, where 1.0 put that run +9.4% and
 # +11.1% over): 0.9. Not measured for the others (vLLM's trial compiles on a first run: its start is no load's).
 TRIAL_TO_RUN_START = {"transformers": 0.9}
+# Where that trial was the engine's first start on the machine (no run here started it, for any model), its one
+# reading, library and model read from a cold disk cache in whatever spell the host was in, is weighed with the
+# engine's default start at this machine's speed: their geometric mean. Over the 44 bench reports that printed
+# both (bench/PREDICTION.md, 2026-11 to 12-04, on four hosts), the warm job's engine start (transformers, MiniLM)
+# read x0.9 of the trial missed by 0.96 s on average (0.63-1.81x the measured start; 12.3 s for 6.8 in run 47a,
+# its trial 13.6 s where runs 45b-46b's took 6.0-7.3), the default 0.81 s (0.65-1.52x), their geometric mean
+# 0.77 s (0.66-1.43x); that job's wall, recomputed on its rows, missed 10% in 15 reports on the trial, 14 on
+# the mean (median |error| 6.3% against 4.4%). A later first start of one more model (SmolLM2's, after MiniLM's)
+# reads the library from memory: its trial's start stands alone (0.6 s, its run's 0.5 s, against a default 4 s).
+
+
+def started_here(parts: dict[str, Any], engine: str) -> bool:
+    """Whether a run on this device started the engine, for any model or mode."""
+    return any(values.get("engine start") for key, values in parts.items()
+               if key.startswith(f"{device_label()}|{engine}|"))
 
 
 def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict[str, Any], trials,
@@ -1480,6 +1495,13 @@ def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict
         share = TRIAL_TO_RUN_START.get(engine, 1.0)
         seconds = trial_start(spec, engine, sample, loads) * share
         source = f"its trial's start{f' x {share:g}' if share != 1.0 else ''}, no run here yet"
+        if engine in TRIAL_TO_RUN_START and not started_here(parts, engine):
+            default = default_start(engine, spec.mode)
+            factor, why = machine_speed()
+            source = (f"the geometric mean of its trial's start x {share:g}, {seconds:.1f} s (the engine's first "
+                      f"start here, from a cold disk cache), and its default {default:g} s{why}, "
+                      f"{default * factor:.1f} s; no run here yet")
+            seconds = math.sqrt(seconds * default * factor)
     elif source.startswith("default"):
         compiling, why = first_compile(spec, engine, parts, trials)
         if why:
