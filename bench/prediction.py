@@ -22,7 +22,9 @@ again, planned with the answers its first run measured. The last three run
 `make run`'s eval gate (jobs/demo.yaml: OpenVINO, no engine any job before them ran): predicted with
 the gate, then the corpus on the model the gate will pick (a verdict kept here, else the reference).
 Beside the jobs, the interpreter probe reads the host's pace every 10 s (host_watch, ~2% of one core): each
-row says what it read while that job ran, so a miss in one of the host's slow spells shows as one.
+row says what it read while that job ran, so a miss in one of the host's slow spells shows as one; and the
+cores' steal while it ran (/proc/stat: time the hypervisor gave to other machines, which the probe, counting
+its own thread's CPU clock, does not read).
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ def host_watch() -> InterpreterProbes:
 
 WATCH_GAP = 10.0
 _watch: InterpreterProbes | None = None
+_ticks = None  # cpu_times() as the bench started; after it, (then, as it ended)
 
 
 def host_during(r: dict) -> str:
@@ -164,19 +167,44 @@ def host_during(r: dict) -> str:
     if not during:
         return "none"
     slow = sum(ms > SLOW * floor for ms in during)
-    return f"{statistics.median(during):.1f} ms, {slow} of {len(during)} slow"
+    steal = r.get("steal")
+    return (f"{statistics.median(during):.1f} ms, {slow} of {len(during)} slow"
+            + (f", steal {steal:.0%}" if steal is not None else ""))
 
 
 SLOW = 1.3
 
 
+def cpu_times() -> list[int] | None:
+    """The machine's CPU time so far, all cores (/proc/stat's "cpu" line, in clock ticks: user, nice, system,
+    idle, iowait, irq, softirq, steal, ...); None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of the cores' time between two cpu_times() that the hypervisor gave to other machines
+    (steal): a slowness the interpreter probe does not read (it counts its own thread's CPU clock, which stops
+    while its core is taken), where a job's engine, on both cores, waits for it."""
+    if not before or not after or len(before) < 8 or len(after) < 8:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta[:8])  # guest time (after steal) is counted in user's already
+    return delta[7] / total if total > 0 else None
+
+
 def run_job(path: Path, output: Path) -> dict:
     shutil.rmtree(output, ignore_errors=True)  # the whole job every time (its row cache lives in it too)
     before = parts_now()
+    ticks = cpu_times()
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "run", "--config", str(path), "--no-progress"],
                           cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - started
+    steal = steal_share(ticks, cpu_times())
     if done.returncode != 0:
         raise RuntimeError(f"{path} exited {done.returncode}:\n{done.stderr[-3000:]}")
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("predicted wall")), "")
@@ -186,7 +214,8 @@ def run_job(path: Path, output: Path) -> dict:
     experiment = client.get_experiment_by_name("tokenmill-bench-prediction").experiment_id
     run = client.search_runs([experiment], order_by=["attributes.start_time DESC"], max_results=1)[0]
     return {"wall": wall, "started": started, "line": line, "metrics": dict(run.data.metrics),
-            "engine": run.data.params.get("engine"), "measured": parts_measured(before, parts_now())}
+            "engine": run.data.params.get("engine"), "measured": parts_measured(before, parts_now()),
+            "steal": steal}
 
 
 def calibrate(job: Job, index: int) -> tuple[Path, float, str]:
@@ -228,7 +257,13 @@ def host_summary() -> list[str]:
     slow = sum(ms > SLOW * values[0] for ms in values)
     return [f"The host's pace through the bench (host_watch: the interpreter probe every {WATCH_GAP:g} s beside the "
             f"jobs): {len(values)} readings, fastest {values[0]:.1f} ms, median {statistics.median(values):.1f} ms, "
-            f"{slow} slow (over {SLOW:g}x the fastest). A job's column above counts its own."]
+            f"{slow} slow (over {SLOW:g}x the fastest). A job's column above counts its own{steal_line()}."]
+
+
+def steal_line() -> str:
+    steal = steal_share(*_ticks) if isinstance(_ticks, tuple) else None
+    return ("" if steal is None else f"; steal (the cores' time the hypervisor gave to other machines, which the "
+            f"probe's own CPU clock does not count, /proc/stat) {steal:.1%} through the bench, each job's beside it")
 
 
 def trial_lines() -> list[str]:
@@ -299,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[variable] = str(WORK / folder)
     (WORK / "mlflow.db").unlink(missing_ok=True)
     new_models_home()
-    global _watch
-    _watch = host_watch()
+    global _watch, _ticks
+    _watch, _ticks = host_watch(), cpu_times()
     results, calibration = [], (0.0, "")
     try:
         for index, job in enumerate(jobs(args.quick)):
@@ -313,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append((job, result))
     finally:
         _watch.stop()
+        _ticks = (_ticks, cpu_times())
     text = report(results, calibration, time.perf_counter() - started, args.quick)
     target = WORK / "PREDICTION-quick.md" if args.quick else REPORT
     target.write_text(text)

@@ -316,3 +316,18 @@ def harness_machine() -> dict:
     from bench import harness
 
     return harness.machine()
+
+
+def test_the_prediction_bench_reads_steal_from_the_cores_clock_ticks():
+    """bench/prediction.py's per-job steal: the hypervisor's share of the cores' time between two /proc/stat
+    readings (user, nice, system, idle, iowait, irq, softirq, steal, guest, guest_nice), guest not counted twice."""
+    from bench import prediction
+
+    before = [100, 0, 50, 800, 10, 0, 0, 40, 30, 0]
+    after = [190, 0, 70, 960, 10, 0, 0, 70, 60, 0]  # 90 + 20 + 160 + 30 steal = 300 ticks, guest inside user
+    assert prediction.steal_share(before, after) == pytest.approx(30 / 300)
+    assert prediction.steal_share(None, after) is None and prediction.steal_share(before, before) is None
+    assert prediction.steal_share(before[:4], after[:4]) is None  # a kernel without the steal column
+    now = prediction.cpu_times()
+    if now is not None:  # Linux: this machine's own counters, and a share between 0 and 1 over a moment
+        assert len(now) >= 8 and 0.0 <= (prediction.steal_share(now, prediction.cpu_times()) or 0.0) <= 1.0
