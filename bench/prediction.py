@@ -154,7 +154,7 @@ def host_watch() -> InterpreterProbes:
 
 WATCH_GAP = 10.0
 _watch: InterpreterProbes | None = None
-_ticks = None  # cpu_times() as the bench started; after it, (then, as it ended)
+_bench_steal: float | None = None  # steal_share() from the bench's start to its end
 
 
 def host_during(r: dict) -> str:
@@ -261,9 +261,9 @@ def host_summary() -> list[str]:
 
 
 def steal_line() -> str:
-    steal = steal_share(*_ticks) if isinstance(_ticks, tuple) else None
-    return ("" if steal is None else f"; steal (the cores' time the hypervisor gave to other machines, which the "
-            f"probe's own CPU clock does not count, /proc/stat) {steal:.1%} through the bench, each job's beside it")
+    return ("" if _bench_steal is None else f"; steal (the cores' time the hypervisor gave to other machines, which "
+            f"the probe's own CPU clock does not count, /proc/stat) {_bench_steal:.1%} through the bench, each job's "
+            "beside it")
 
 
 def trial_lines() -> list[str]:
@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[variable] = str(WORK / folder)
     (WORK / "mlflow.db").unlink(missing_ok=True)
     new_models_home()
-    global _watch, _ticks
-    _watch, _ticks = host_watch(), cpu_times()
+    global _watch, _bench_steal
+    _watch, ticks = host_watch(), cpu_times()
     results, calibration = [], (0.0, "")
     try:
         for index, job in enumerate(jobs(args.quick)):
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append((job, result))
     finally:
         _watch.stop()
-        _ticks = (_ticks, cpu_times())
+        _bench_steal = steal_share(ticks, cpu_times())
     text = report(results, calibration, time.perf_counter() - started, args.quick)
     target = WORK / "PREDICTION-quick.md" if args.quick else REPORT
     target.write_text(text)

@@ -1492,16 +1492,15 @@ def engine_start_part(spec: JobSpec, engine: str, sample: JobSample, parts: dict
     seconds, source = stored(parts, engine_key(spec, engine), "engine start", default_start(engine, spec.mode))
     loads = [(m, t) for m, t in trials if not t.compiled]  # a trial that compiled: this start loads its graphs
     if source.startswith("default") and any(t.engine == engine for _, t in loads):
+        default_here, default_source = seconds, source.removeprefix("default: never measured here, ")
         share = TRIAL_TO_RUN_START.get(engine, 1.0)
         seconds = trial_start(spec, engine, sample, loads) * share
         source = f"its trial's start{f' x {share:g}' if share != 1.0 else ''}, no run here yet"
         if engine in TRIAL_TO_RUN_START and not started_here(parts, engine):
-            default = default_start(engine, spec.mode)
-            factor, why = machine_speed()
             source = (f"the geometric mean of its trial's start x {share:g}, {seconds:.1f} s (the engine's first "
-                      f"start here, from a cold disk cache), and its default {default:g} s{why}, "
-                      f"{default * factor:.1f} s; no run here yet")
-            seconds = math.sqrt(seconds * default * factor)
+                      f"start here, from a cold disk cache), and its default {default_source}, {default_here:.1f} s; "
+                      "no run here yet")
+            seconds = math.sqrt(seconds * default_here)
     elif source.startswith("default"):
         compiling, why = first_compile(spec, engine, parts, trials)
         if why:
