@@ -433,6 +433,7 @@ def test_a_first_vllm_start_of_a_model_here_pays_its_compile_and_later_starts_lo
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
     spec = JobSpec.model_validate({"input": "in", "mode": "embed", "model": {"name": "all-MiniLM-L6-v2", "engine": "vllm"}})
     sample = JobSample(rows=100, shards=1, lengths=[20] * 32)
@@ -474,6 +475,11 @@ def test_a_first_vllm_start_of_a_model_here_pays_its_compile_and_later_starts_lo
     assert compiled_graphs() == set()
     (tmp_path / "vllm" / "torch_compile_cache" / "torch_aot_compile" / "0a1b").mkdir(parents=True)
     assert compiled_graphs() == {"torch_aot_compile/0a1b"}
+    # with vLLM's AOT compile off (a CPU's: keep_compiles_loadable), torch's inductor cache keeps the graphs
+    (tmp_path / "inductor" / "fxgraph" / "d5" / "fd5w").mkdir(parents=True)
+    (tmp_path / "inductor" / "5u").mkdir()  # a kernel's folder, not a graph
+    assert compiled_graphs() == {"torch_aot_compile/0a1b", "inductor/fxgraph/d5/fd5w"}
+    (tmp_path / "inductor" / "fxgraph" / "d5" / "fd5w").rmdir()
     # vLLM's cache keeps, beside the graphs, which model's start compiled them: with tokenmill's cache emptied
     # and vLLM's kept, the next start loads them, and the prediction adds no compile
     from tokenmill.models import resolve_model
@@ -488,6 +494,21 @@ def test_a_first_vllm_start_of_a_model_here_pays_its_compile_and_later_starts_lo
     assert engine_start_part(spec, "vllm", sample, {}, []).seconds == pytest.approx(prediction.default_start("vllm", "embed"))
     (tmp_path / "vllm" / "torch_compile_cache" / "torch_aot_compile" / "0a1b").rmdir()  # vLLM's cache cleared
     assert not graphs_kept(model_path, "embed") and first_compile(spec, "vllm", {}, [])[0] > 0
+
+
+def test_vllm_on_a_cpu_compiles_into_a_cache_its_next_start_can_load(monkeypatch):
+    """vLLM 0.32's AOT-compiled model cannot be loaded back on a CPU (each later start compiled again, 30 s of
+    SmolLM2's): on a CPU its AOT compile is turned off unless the user chose; elsewhere left as vLLM sets it."""
+    from tokenmill.vllm_engine import keep_compiles_loadable
+
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    keep_compiles_loadable(False)
+    assert "VLLM_USE_AOT_COMPILE" not in os.environ
+    keep_compiles_loadable(True)
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # the user's choice stands
+    keep_compiles_loadable(True)
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
 
 
 def test_first_run_trials_are_each_engine_from_its_measured_parts(monkeypatch):

@@ -198,9 +198,13 @@ LENGTH_SAMPLE_ROWS = {"embed": 2048, "generate": 256}
 # (bench/PREDICTION.md runs 24a-26b, speed 0.84-0.98) measured it at 0.2-0.3 s, where 0.5 read 0.45: 0.3.
 # vLLM's embedding start: 23-37 s on the quiet CPU, 58.7 and 62.2 s on a host of speed 2.22 and 2.74 (26 and 23 s
 # at speed 1): 35 s put the first job on a machine 15-30% over in every bench run since run 6. A 2-core Xeon
-# (speed 1.0-1.1, 2026-11-26, bench/VLLM_STARTS.md: python -m bench.vllm_starts) loading kept graphs:
-# 28.8-30.6 s for MiniLM, 70.7-77.2 s for SmolLM2 (the AMD hosts' 81 s at speed 1).
-DEFAULT_ENGINE_START = {("vllm", "embed"): 27.0, ("vllm", "generate"): 76.0, ("onnxruntime", "embed"): 0.1,
+# (speed 1.0-1.1, 2026-11-26, python -m bench.vllm_starts) loading kept graphs: 28.8-30.6 s for MiniLM, 70.7-77.2 s
+# for SmolLM2 (the AMD hosts' 81 s at speed 1). Those starts ran vLLM's AOT compile, whose artifact a CPU start
+# cannot load (tokenmill.vllm_engine.keep_compiles_loadable): each compiled the model again. With it off, a
+# 2-core Xeon with AMX at speed ~1.14 (2026-12-05, bench/VLLM_STARTS.md) loads MiniLM in 28.5-31.9 s (33.8-36.5
+# with AOT compile) and SmolLM2 in 66.8-68.9 s (98.7 s with AOT compile, 38 s of it compiling again): 26 and 57
+# at speed 1 (SmolLM2's 76 less the ~26 s its starts spent compiling again, this host's 59).
+DEFAULT_ENGINE_START = {("vllm", "embed"): 26.0, ("vllm", "generate"): 57.0, ("onnxruntime", "embed"): 0.1,
                         ("openvino", "embed"): 0.3}
 # ONNX Runtime's and OpenVINO's exit is first measured by a gated job's rerun with its verdict kept (a measuring
 # gate's exit is GATE_EXIT's): on the 2-core EPYC with AVX-512 (bench/PREDICTION.md runs 37a-38a, speed 1.00-1.29)
@@ -226,8 +230,12 @@ DEFAULT_TRIAL_CLOSE = {"vllm": 1.7}
 # engine trials), over the machine's speed: 37.9, 42.5, 44.0 and 45.3 s, where 27 + 18 put one 18% over: 16.5.
 # A later 2-core EPYC with AVX-512 (bench/PREDICTION.md runs 33b and 34a, the bench's first job each, in its
 # trials): 74.8-78.6 s at speeds 1.61-1.66, 45-49 s at speed 1, where 27 + 16.5 put both 4-9% under, as it put
-# the Xeon's 46.5-49.8: 18, the three hosts' middle.
-DEFAULT_VLLM_COMPILE = {"embed": 18.0, "generate": 21.0}
+# the Xeon's 46.5-49.8: 18, the three hosts' middle. A 2-core Xeon with AMX (2026-12-05, speed ~1.14): MiniLM's
+# first start 59.8-65.7 s (52-58 at speed 1), SmolLM2's 116.1-123.1 s (102-108), AOT compile on or off. With
+# the loads above no longer compiling again (keep_compiles_loadable), a first start is the load and the compile
+# that a later start no longer repeats: over the four hosts' first starts (MiniLM 45-58 s at speed 1, SmolLM2
+# 93-108), 50 and 100 less the loads.
+DEFAULT_VLLM_COMPILE = {"embed": 24.0, "generate": 43.0}
 COMPILING_START = "engine start, compiling"  # a run's vLLM start that compiled: see first_compile
 # vLLM's CPU backend embeds MiniLM at 0.44-0.47 of transformers' rate at every row length: 2,126-2,620 tokens/s
 # against 4,794-5,588 on rows of 15, 52, 101 and 223 tokens (2-core AMD EPYC, AVX2, 2026-11-26, one engine each,
