@@ -173,6 +173,24 @@ def test_a_rerun_with_every_shard_finished_is_predicted_without_an_engine_and_re
     assert len(stored[prediction.machine_key()][f"{prediction.TRACKING_ALONE}@embed"]) == 1
 
 
+def test_a_rerun_that_starts_no_engine_names_its_device_without_importing_the_engines_library():
+    """A rerun with every shard finished imports neither torch nor vLLM: the record names its device from NVML
+    (none here: the CPU), not by importing torch (1.1-1.4 s of a 6-8 s rerun here, and its exit 2.6 s against
+    0.7). Once the library is imported (an engine ran), the engine's own account names it."""
+    import subprocess
+    import sys
+
+    from tokenmill.device import engine_device
+
+    script = ("import sys; from tokenmill.device import engine_device; "
+              "print(engine_device('transformers'), engine_device('vllm'), 'torch' in sys.modules, 'vllm' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["cpu", "cpu", "False", "False"]
+    import torch  # noqa: F401 - as after an engine ran in this process
+
+    assert engine_device("transformers") == "cpu"
+
+
 def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they_happen(tmp_path, monkeypatch):
     """A machine's first run creates the orchestrator's database and MLflow's store, and the demo's first run
     writes its corpus: each is measured apart from the API's start and the main thread's work, and predicted
@@ -194,8 +212,9 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     monkeypatch.setattr(timeline, "process_started", lambda: t0)
     monkeypatch.setattr(timeline, "measures_process", lambda: True)
     parts = prediction.measured_parts(spec, "transformers", {}, 0, False)
-    assert parts[prediction.fixed_key(spec, "transformers")] == {"python imports": pytest.approx(3.0),
-                                                                  MAIN_ALONE: pytest.approx(5.0 - 1.0 - 2.5)}
+    # the machine's first run, its main thread alone: apart from a later run's (MAIN_FIRST_ALONE)
+    assert parts[prediction.fixed_key(spec, "transformers")] == {
+        "python imports": pytest.approx(3.0), prediction.MAIN_FIRST_ALONE: pytest.approx(5.0 - 1.0 - 2.5)}
     machine = parts[prediction.machine_key()]
     assert machine[TRACKING_CREATED] == pytest.approx(2.5) and machine[API_CREATED] == pytest.approx(7.0)
     assert parts[prediction.gate_key(spec)] == {prediction.GATE_KEPT: pytest.approx(0.1)}
@@ -385,12 +404,18 @@ def test_inputs_repeated_across_the_corpus_weigh_as_one_in_the_sample_lengths(tm
     predicted = prediction.predict_job(spec)
     assert predicted.rows == 2500
     assert predicted.tokens == pytest.approx(truth, rel=0.05)
+    # the sample's text, what its reading and the shard overhead grow with: the characters of the rows it read
+    mean_chars = sum(map(len, texts)) / len(texts)
+    assert predicted.chars_per_row == pytest.approx(mean_chars, rel=0.1)
+    assert predicted.read_chars > predicted.read_tokens  # several characters a token
+    assert "characters" in predicted.part("shard overhead").source
 
 
 def test_shard_overhead_at_an_unmeasured_length_scales_from_the_nearest_length_measured_here():
     """Reading and tokenizing grow with the rows' length: rows of ~64 tokens read at the overhead measured
     at ~256 tokens a row divided by 4 (not the median over every length, which long rows dominate)."""
-    from tokenmill.prediction import OVERHEAD, overhead_part
+    from tokenmill import prediction
+    from tokenmill.prediction import DEFAULT_SECONDS, OVERHEAD, overhead_part
 
     parts = {"here|transformers|embed": {OVERHEAD: [0.05, 1.2, 1.2], f"{OVERHEAD}@4": [0.05], f"{OVERHEAD}@8": [1.2]}}
     at_8 = overhead_part(parts, "here|transformers|embed", 8, 2000)
@@ -402,8 +427,40 @@ def test_shard_overhead_at_an_unmeasured_length_scales_from_the_nearest_length_m
     assert "~16 tokens a row and ~256 tokens a row" in at_6.source
     unmeasured = overhead_part({}, "here|transformers|embed", 6, 2000)
     assert "default: never measured here" in unmeasured.source
-    far = overhead_part(parts, "here|transformers|embed", 11, 2000)  # 3 classes from any measured: no x8
-    assert far.seconds == pytest.approx(1.2 * 2) and "median of 3 runs" in far.source
+    # 3 classes from any measured: not the median at other lengths (0.05 s of short rows would stand for rows
+    # 8x their length), the default scaled to the rows' length
+    far = overhead_part(parts, "here|transformers|embed", 11, 2000)
+    factor, _ = prediction.machine_speed()
+    assert far.seconds == pytest.approx(DEFAULT_SECONDS[OVERHEAD] * factor * 8 * 2)
+    assert "default" in far.source and "measured here only at ~256 tokens a row" in far.source
+
+
+def test_shard_overhead_grows_with_the_text_each_row_is_read_from_not_the_tokens_kept():
+    """Documents truncated to the model's 256 tokens are read and tokenized whole: 1,500 docstrings of 3,347
+    characters a row took 2.59 s per 1,000 rows where rows of ~1,180 characters and the same tokens took 0.5.
+    The overhead measured at a length is scaled by the job's characters a row against the measuring runs';
+    the default, stated at OVERHEAD_DEFAULT_CHARS, by the job's."""
+    from tokenmill import prediction
+    from tokenmill.prediction import OVERHEAD, OVERHEAD_CHARS, OVERHEAD_DEFAULT_CHARS, overhead_part
+
+    key = "here|transformers|embed"
+    parts = {key: {f"{OVERHEAD}@8": [0.5], f"{OVERHEAD_CHARS}@8": [1180.0], f"{OVERHEAD}@4": [0.05]}}
+    long = overhead_part(parts, key, 8, 1500, chars=3347)
+    assert long.seconds == pytest.approx(0.5 * 3347 / 1180 * 1.5)
+    assert "3,347 characters a row against 1,180" in long.source
+    assert overhead_part(parts, key, 8, 1500, chars=0).seconds == pytest.approx(0.75)  # none counted: as measured
+    # a length class away, scaled by the text, not by 2^(classes)
+    assert overhead_part(parts, key, 7, 1000, chars=590).seconds == pytest.approx(0.25)
+    # @4 stored before its characters were: by the class, as before
+    assert overhead_part(parts, key, 5, 1000, chars=150).seconds == pytest.approx(0.1)
+    # never measured here: the default, at its characters a row
+    factor, _ = prediction.machine_speed()
+    default = overhead_part({}, key, 6, 20_000, chars=518)
+    assert default.seconds == pytest.approx(prediction.DEFAULT_SECONDS[OVERHEAD] * factor * 518 / OVERHEAD_DEFAULT_CHARS * 20)
+    assert f"~{OVERHEAD_DEFAULT_CHARS:,} characters a row" in default.source
+    # on another engine of this device and mode only: read from it with its characters
+    other = overhead_part(parts, "here|openvino|embed", 8, 1000, chars=2360)
+    assert other.seconds == pytest.approx(1.0) and "measured here on transformers" in other.source
 
 
 def test_orchestration_start_is_what_the_engines_start_does_not_hide():
@@ -567,7 +624,8 @@ def test_the_samples_reading_follows_the_tokens_it_reads_from_runs_here():
     """The prediction reads the job's sample on the main thread: what that takes grows with the tokens read
     (long rows, a larger sample), so it is its own part, read off the runs here by the tokens each read."""
     from tokenmill import prediction
-    from tokenmill.prediction import MAIN, READ_TOKENS, READING, orchestration_part, reading_key, reading_part
+    from tokenmill.prediction import (DEFAULT_READING_PER_CHAR, MAIN, READ_CHARS, READ_TOKENS, READING,
+                                      orchestration_part, reading_key, reading_part)
 
     key = reading_key("embed")
     one = {key: {READING: [0.2], READ_TOKENS: [20_000.0]}}
@@ -579,6 +637,20 @@ def test_the_samples_reading_follows_the_tokens_it_reads_from_runs_here():
     seconds, source = reading_part(two, "embed", 120_000)  # two runs far apart: the line through them
     assert seconds == pytest.approx(0.4) and "line through 2 runs" in source
     assert reading_part({}, "generate", 1_000)[1].startswith("default: never measured here")
+    # by the characters read, where the sample counted them and runs here stored theirs: truncation keeps 256
+    # tokens of a long document, its reading and tokenizing cost by the whole text
+    by_text = {key: {READING: [0.2, 0.9, 4.0], READ_TOKENS: [30_000.0, 200_000.0, 450_000.0],
+                     READ_CHARS: [1_000_000.0, 6_000_000.0]}}  # the first run stored no characters
+    chars_seconds, chars_source = reading_part(by_text, "embed", 450_000, 3_500_000)
+    assert chars_seconds == pytest.approx(0.9 + (4.0 - 0.9) / 5_000_000 * 2_500_000)
+    assert "3,500,000 characters on the line through 2 runs" in chars_source
+    # none counted: by the tokens; their line through those runs would start below 0 s (the long text's tokens
+    # cost more each), so the nearest run's
+    assert "450,000 tokens: a run here read 450,000 in 4.00 s" in reading_part(by_text, "embed", 450_000)[1]
+    assert "tokens" in reading_part(two, "embed", 120_000, 500_000)[1]  # no run here stored its characters
+    default, source_default = reading_part({}, "embed", 1_000, 50_000)
+    assert default == pytest.approx((prediction.DEFAULT_READING["embed"] + 50_000 * DEFAULT_READING_PER_CHAR) * factor)
+    assert "us a character" in source_default
     parts = {"here|transformers|embed": {"orchestrator API": [1.0], MAIN: [2.0], "flow start": [0.0]}}
     part = orchestration_part(parts, "here|transformers|embed", 0.0, [(READING, seconds, source)])
     assert part.seconds == pytest.approx(2.4) and "reading the sample 0.4 s" in part.source
@@ -651,6 +723,11 @@ def test_a_main_thread_with_no_engine_starting_beside_it_is_read_apart():
     factor, _ = prediction.machine_speed()
     assert with_engine.seconds == pytest.approx(2.0)
     assert alone.seconds == pytest.approx(2.0 + prediction.DEFAULT_ALONE_EXTRA * factor) and alone.is_default
+    # measured only in the machine's first run (`make run` on a new machine): a later run's share of it
+    parts["here|openvino|embed"].update({prediction.MAIN_FIRST_ALONE: [1.4], "orchestrator API": [0.5]})
+    after_first = orchestration_part(parts, "here|openvino|embed", 0.0, alone=True)
+    assert after_first.seconds == pytest.approx(1.4 * prediction.MAIN_FROM_TRIAL) and not after_first.is_default
+    assert "in the machine's first run: 1.4 s x 0.7" in after_first.source
     parts["here|openvino|embed"][MAIN_ALONE] = [2.7]
     measured = orchestration_part(parts, "here|openvino|embed", 0.0, alone=True)
     assert measured.seconds == pytest.approx(2.7) and not measured.is_default

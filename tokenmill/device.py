@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from pathlib import Path
 
 
@@ -77,6 +78,10 @@ def engine_device(engine: str) -> str:
         return "cpu"
     if engine == "openai-server":
         return "server"  # another machine's: the record names its URL
+    if ("torch" if engine == "transformers" else "vllm") not in sys.modules:
+        # the engine's library never imported: no engine ran in this process (a rerun with every shard finished);
+        # named from NVML, not by importing it for the record (torch: 1.1-1.4 s of a 6-8 s rerun on a 2-core Xeon)
+        return _nvml_device_name() or "cpu"
     if engine == "transformers":
         import torch
 

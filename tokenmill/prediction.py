@@ -107,9 +107,12 @@ DEFAULT_SECONDS = {
 # Per engine, never read from another's: what the process imported to choose or name its engine is torn down
 # with it. A 2-core AMD EPYC at speed 0.87-0.95 (2026-11-28): 1.97 and 2.01 s for reruns of vLLM and auto jobs
 # (torch imported; their vLLM runs' exits took 3.2 s), 0.76 s for `make run`'s rerun on OpenVINO (no torch;
-# its run's exit 1.6 s).
+# its run's exit 1.6 s). The record imported torch to name the device where no engine had (engine_device): it
+# no longer does, and an AMX Xeon at speed ~1.15 (2026-12-05) exited 20,000 rows' transformers rerun in 0.71-0.74 s
+# where it took 2.63 with torch, and a SmolLM2 rerun (transformers imported for its chat template) in 1.05 where
+# it took 1.98: 0.8 for all at speed 1.
 IDLE_EXIT = "exit, no engine"
-DEFAULT_IDLE_EXIT = {"vllm": 2.2, "transformers": 2.2, "onnxruntime": 0.8, "openvino": 0.8}
+DEFAULT_IDLE_EXIT = {"vllm": 0.8, "transformers": 0.8, "onnxruntime": 0.8, "openvino": 0.8}
 # A run whose eval gate measured its models exits with them: the reference's engine and the candidates' as well as
 # the corpus's, whatever the corpus ran on. Stored apart from the corpus engine's exit: on the 2-core EPYC
 # (speed 0.82-0.89, runs 22b-23b) `make run`'s gate on OpenVINO exited in 0.8-1.4 s where gated, 0.5-0.7 s with its
@@ -138,7 +141,12 @@ MAIN_FROM_TRIAL = 0.7
 # starts no engine either: it reads and stores this one.
 MAIN_ALONE = f"{MAIN}, no engine starting beside it"
 DEFAULT_ALONE_EXTRA = 0.6
-AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL, MAIN_ALONE}
+# ...and where that run is the machine's first (its API created the database: `make run` on a new machine), its
+# main thread pays once for what later runs' do not (a fresh clone's own modules compiled, files read from a cold
+# disk cache): stored apart, and read x MAIN_FROM_TRIAL where no later run measured MAIN_ALONE. `make run` in a
+# fresh clone on an AMX Xeon (2026-12-05): 1.36 s, its rerun 0.71, which the first's figure put at +10.2%.
+MAIN_FIRST_ALONE = f"{MAIN_ALONE}, the machine's first run"
+AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL, MAIN_ALONE, MAIN_FIRST_ALONE}
 # The prediction reads and tokenizes the job's sample on the main thread (job_sample), inside what the API's
 # start overlaps: seconds that grow with the tokens it reads (0.14 s for 1,000 rows of ~19 tokens, 0.48 s
 # for 500 of ~255 on a quiet 2-core Xeon, in the run's own process), on top of loading the tokenizer
@@ -148,6 +156,14 @@ AROUND_THE_ENGINE = frozenset(DEFAULT_SECONDS) | {MAIN_BESIDE_TRIAL, MAIN_ALONE}
 READING, READ_TOKENS = "reading the sample", "tokens the sample read"
 DEFAULT_READING = {"embed": 0.08, "generate": 3.6}
 DEFAULT_READING_PER_TOKEN = 2.1e-6
+# ...and beside the characters it read (READ_CHARS): reading and tokenizing a row costs by its text, not by the
+# tokens truncation keeps of it. 1,500 docstrings of installed packages, 3,347 characters a row (JSONL), read
+# 449,536 tokens (5.77M characters) in 4.05-4.17 s where the line through the runs' tokens before them said 1.7
+# (an AMX Xeon at speed 1.12-1.16, 2026-12-05): 0.59-0.61 us a character at speed 1, `make run`'s sample corpus
+# (1.31M characters in 0.87-0.94 s) 0.53, the first figures above (500 rows of ~1,180 characters in 0.48 s)
+# 0.68. Never measured, this at speed 1.
+READ_CHARS = "characters the sample read"
+DEFAULT_READING_PER_CHAR = 0.55e-6
 # The main thread opens the job's MLflow store (tasks/warm.py warm_tracking); a local SQLite store that does
 # not exist yet is created first, its tables and all: a first run's cost, stored apart from a later run's
 # opening under machine_key() (any job's store, on this machine), and predicted by whether the store is there.
@@ -175,6 +191,15 @@ DEFAULT_API_CREATED = 6.8
 # (tokenmill.answer_probe), on the main thread before it predicts: measured, never stored.
 ANSWER_PROBE = "the answers' probe"
 OVERHEAD = "shard overhead per 1,000 rows"
+# ...which grows with the text each row is read and tokenized from, not with the tokens truncation keeps of it:
+# stored per length class beside the runs' characters a row (their samples'), and scaled by the job's. 1,500
+# docstrings of 3,347 characters a row, truncated to 256 tokens, took 2.59 s per 1,000 rows where the bench's
+# long corpus (~1,180 characters, ~255 tokens) took 0.5; `make run`'s sample corpus (518 characters, ~64 tokens)
+# 0.34 s where the 2^(class) scaling of the default said 0.17 (an AMX Xeon at speed 1.16, 2026-12-05). The default,
+# OVERHEAD_DEFAULT_LENGTH's, is for rows of this many characters: the corpus it was measured on.
+OVERHEAD_CHARS = "characters a row"
+OVERHEAD_DEFAULT_CHARS = 1100
+AROUND_THE_ENGINE |= {OVERHEAD_CHARS}  # read from another engine's runs with the overhead it was stored with
 # Each shard is a Prefect task: its run, state and persisted result cost about this much whatever its rows.
 # Measured 0.45 s a shard on a machine whose imports took 3.8 s (bench/PREDICTION.md's runs: 0.56 s for
 # 1,000 short rows in one shard, 1.6 s for 8,000 in two), so 0.24 s on the reference machine (imports then read as 2.0 s, 1.3 s of CPU) that
@@ -374,7 +399,9 @@ class Prediction(BaseModel):
     rows: int  # rows the engine computes
     tokens: float  # input + output tokens the engine computes
     parts: list[Part]
-    read_tokens: int = 0  # the tokens its sample read (JobSample.read_tokens): what its reading part grows with
+    read_tokens: int = 0  # the tokens its sample read (JobSample.read_tokens)
+    read_chars: int = 0  # and their characters (JobSample.read_chars): what its reading part grows with
+    chars_per_row: float = 0.0  # the corpus sample's characters a row (JobSample.chars_per_row): its overhead's
     # a gate that measures before the corpus runs: the whole process's seconds and its exit part's were the corpus
     # to run on each model the gate may pick (branch_key), from the same figures; the prediction is the one
     # it assumes (predict_gated). Which model ran is the gate's verdict, measured, not a time: the record holds
@@ -426,7 +453,9 @@ class JobSample(BaseModel):
     gate_kept: int = 0  # a gated embedding job: the gate's sample rows it computes and keeps in the row cache
     probe_kept: int = 0  # a run's answers' probe: the rows it generated, kept in the row cache (answer_probe)
     probe_engine: str = ""  # the engine it ran on: its rows are kept under it, and auto's trials reuse it, open
-    read_tokens: int = 0  # the tokens of the rows read for this sample (both samples'): what READING grows with
+    read_tokens: int = 0  # the tokens of the rows read for this sample (both samples')
+    read_chars: int = 0  # the characters of those rows: what READING grows with (text_chars)
+    chars_per_row: float = 0.0  # the length sample's mean characters a row: what the shard overhead grows with
 
     def computed_lengths(self, collapsed: bool) -> list[int]:
         """The lengths of the rows the engine computes: each input once where identical inputs are computed
@@ -966,6 +995,8 @@ def job_sample(spec: JobSpec) -> JobSample:
     timeline.mark("sample_read_done")
     trial = [len(r) for r, _ in trial_rows]
     read_tokens = sum(trial) + sum(len(r) for r, _ in sampled)
+    read_chars = sum(text_chars(source) for _, source in trial_rows) + sum(text_chars(source) for _, source in sampled)
+    chars_per_row = statistics.fmean(text_chars(source) for _, source in sampled) if sampled else 0.0
     lengths = [len(r) for r, _ in sampled]
     share = 0.0
     if todo and spec.cache.enabled and _row_cache_exists(spec):
@@ -976,7 +1007,18 @@ def job_sample(spec: JobSpec) -> JobSample:
     return JobSample(rows=round(rows_read * (1.0 - share)), shards=len(todo), lengths=lengths,
                      distinct_lengths=distinct_lengths, trial_lengths=trial,
                      row_cache_share=share, finished_shards=len(done), distinct=distinct,
-                     distinct_source=counted, rows_read=rows_read, read_tokens=read_tokens)
+                     distinct_source=counted, rows_read=rows_read, read_tokens=read_tokens,
+                     read_chars=read_chars, chars_per_row=chars_per_row)
+
+
+def text_chars(source: Any) -> int:
+    """The characters a row was encoded from (sampling.prompt_inputs: its text, or a mapping of a prompt's
+    fields): what reading and tokenizing it cost grows with, whatever of it truncation keeps."""
+    if isinstance(source, str):
+        return len(source)
+    if isinstance(source, dict):
+        return sum(len(str(value)) for value in source.values())
+    return len(str(source))
 
 
 def distinct_share(spec: JobSpec, shards) -> tuple[float, str, Counter | None]:
@@ -1103,32 +1145,59 @@ def trial_start(spec: JobSpec, engine: str, sample: JobSample, trials) -> float:
     return min(mine, key=lambda m: abs(math.log(m[0]) - math.log(max(mean, 1.0))))[1].start_seconds
 
 
-def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int) -> Part:
+def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int, chars: float = 0.0) -> Part:
     """Reading, tokenizing and writing the rows outside the engine, per 1,000 rows at this length class as
-    measured here; else scaled from the nearest length class measured here, at most
-    MAX_LENGTH_CLASSES_SCALED away, by the rows' length (a class is twice the tokens a row of the one below:
-    the text read and tokenized grows with it; the runs here took 0.0-0.1 s per 1,000 rows of ~19 tokens,
-    0.2 of ~57, 1.1-1.3 of ~255); else the median at any length, or the default."""
+    measured here; else scaled from the nearest length class measured here, at most MAX_LENGTH_CLASSES_SCALED
+    away; else the default at this machine's speed. Scaled by the text each row is read from: `chars`, the job's
+    sample's characters a row, against those of the runs that measured it (OVERHEAD_CHARS; the default's:
+    OVERHEAD_DEFAULT_CHARS), where both are known; else by the rows' length class (a class is twice the tokens
+    a row of the one below: the runs here took 0.0-0.1 s per 1,000 rows of ~19 tokens, 0.2 of ~57, 1.1-1.3 of
+    ~255)."""
+    def by_text(seconds: float, at: int | None) -> tuple[float, str] | None:
+        measured = OVERHEAD_DEFAULT_CHARS if at is None else stored(parts, key, f"{OVERHEAD_CHARS}@{at}", None)[0]
+        if not chars or not measured:
+            return None
+        return seconds * chars / measured, f"x {chars:,.0f} characters a row against {measured:,.0f}"
+
     seconds, source = stored(parts, key, f"{OVERHEAD}@{length}", None)
     if seconds is not None:
         source += " at this length"
+        scaled = by_text(seconds, length)
+        if scaled is not None:
+            seconds, source = scaled[0], f"{source}, {scaled[1]}"
     else:
         classes = [int(at) for name, values in parts.get(key, {}).items() if values
                    for base, _, at in [name.partition("@")] if base == OVERHEAD and at.isdigit()]
+        if not classes:  # measured on another engine of this device and mode only (stored's fallback)
+            classes = [at for at in range(length - MAX_LENGTH_CLASSES_SCALED, length + MAX_LENGTH_CLASSES_SCALED + 1)
+                       if stored(parts, key, f"{OVERHEAD}@{at}", None)[0] is not None]
         measured = sorted((abs(at - length), at) for at in classes)
         if measured and measured[0][0] <= MAX_LENGTH_CLASSES_SCALED:
             nearest = [at for gap, at in measured if gap == measured[0][0]]
-            scaled = [stored(parts, key, f"{OVERHEAD}@{at}", None)[0] * 2.0 ** (length - at) for at in nearest]
-            seconds = statistics.fmean(scaled)
-            runs = len(parts[key][f"{OVERHEAD}@{nearest[0]}"])
+            each = [stored(parts, key, f"{OVERHEAD}@{at}", None)[0] for at in nearest]
+            texts = [by_text(value, at) for value, at in zip(each, nearest)]
+            if all(texts):
+                seconds, how = statistics.fmean(t[0] for t in texts), "; ".join(t[1] for t in texts)
+            else:
+                seconds = statistics.fmean(value * 2.0 ** (length - at) for value, at in zip(each, nearest))
+                how = f"x the rows' length (~{2 ** length} tokens)"
+            runs = len(parts.get(key, {}).get(f"{OVERHEAD}@{nearest[0]}") or [None])
             source = (f"measured here at {' and '.join(f'~{2 ** at} tokens a row' for at in nearest)} "
-                      f"(median of {runs} run{'s' if runs > 1 else ''}), x the rows' length (~{2 ** length} tokens)")
-        else:  # the default is at OVERHEAD_DEFAULT_LENGTH, in proportion to the rows' length
-            scale = 2.0 ** (length - OVERHEAD_DEFAULT_LENGTH)
-            seconds, source = stored(parts, key, OVERHEAD, DEFAULT_SECONDS[OVERHEAD] * scale)
-            if source.startswith("default"):
+                      f"(median of {runs} run{'s' if runs > 1 else ''}), {how}")
+        else:  # the default is at OVERHEAD_DEFAULT_LENGTH (OVERHEAD_DEFAULT_CHARS), in proportion to the rows' text
+            factor, why = machine_speed()
+            seconds, source = DEFAULT_SECONDS[OVERHEAD] * factor, f"default: never measured here, {DEFAULT_SECONDS[OVERHEAD]:g} s{why}"
+            scaled = by_text(seconds, None)
+            if scaled is not None:
+                seconds, source = scaled[0], f"{source} at ~{OVERHEAD_DEFAULT_CHARS:,} characters a row, {scaled[1]}"
+            else:
+                scale = 2.0 ** (length - OVERHEAD_DEFAULT_LENGTH)
+                seconds *= scale
                 source += (f" ({DEFAULT_SECONDS[OVERHEAD]:g} s at ~{2 ** OVERHEAD_DEFAULT_LENGTH} tokens a row, "
                            f"x{scale:g} for the rows' length, ~{2 ** length} tokens)")
+            if measured:
+                source += (f"; measured here only at ~{2 ** measured[0][1]} tokens a row, more than "
+                           f"{MAX_LENGTH_CLASSES_SCALED} length classes away")
     return Part(name="shard overhead", seconds=seconds * rows / 1000, source=f"{seconds:.2f} s per 1,000 rows, {source}")
 
 
@@ -1168,7 +1237,7 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
         f"default: {PER_SHARD_SECONDS:g} s a shard{why}, never measured apart (a Prefect task's "
         f"run, state and result), x {sample.shards}")))
     out.append(overhead_part(parts, fixed, length_class(statistics.fmean(sample.lengths or [1])),
-                             sample.rows_read or sample.rows))
+                             sample.rows_read or sample.rows, sample.chars_per_row))
     if spec.index is not None and spec.mode == "embed":
         seconds, source = stored(parts, fixed, "index build per 1,000 rows", DEFAULT_SECONDS["index build per 1,000 rows"])
         out.append(Part(name="index build", seconds=seconds * sample.rows / 1000,
@@ -1178,7 +1247,8 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
     if why.startswith("default"):
         out[0].source += f"; engine {engine}: {why}"
     rows = sample.rows_to_compute(collapses(spec, engine, sample))
-    return Prediction(engine=engine, rows=rows, tokens=tokens, parts=out, read_tokens=sample.read_tokens)
+    return Prediction(engine=engine, rows=rows, tokens=tokens, parts=out, read_tokens=sample.read_tokens,
+                      read_chars=sample.read_chars, chars_per_row=sample.chars_per_row)
 
 
 def exit_part(parts: dict[str, Any], fixed: str, engine: str, gate_makes: bool, idle: bool) -> Part:
@@ -1237,6 +1307,10 @@ def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
                     "source": f"{source}, in runs with trials: {beside:.1f} s x {MAIN_FROM_TRIAL:g}, a warm run's share"}
     if alone:
         own, source = stored(parts, key, MAIN_ALONE, None)
+        first_run, first_source = stored(parts, key, MAIN_FIRST_ALONE, None)
+        if own is None and first_run is not None:
+            own, source = first_run * MAIN_FROM_TRIAL, (f"{first_source}, in the machine's first run: {first_run:.1f} s "
+                                                         f"x {MAIN_FROM_TRIAL:g}, a later run's share")
         factor, speed = machine_speed()
         main = {"seconds": own, "source": f"{source}, no engine starting beside it"} if own is not None else {
             "seconds": main["seconds"] + DEFAULT_ALONE_EXTRA * factor, "source": (
@@ -1264,7 +1338,7 @@ def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any],
     command here: probe_speed); generating the answers' probe, where this process did
     (tokenmill.answer_probe: measured too; with the start of its engine where that is auto's trials' first,
     not the job's)."""
-    read, read_source = reading_part(parts, spec.mode, sample.read_tokens)
+    read, read_source = reading_part(parts, spec.mode, sample.read_tokens, sample.read_chars)
     out = [(READING, read, read_source), tracking_part(spec, parts, alone)]
     marks = timeline.marks()
     written = _span(marks, "sample_corpus_start", "sample_corpus_written")
@@ -1345,29 +1419,43 @@ def reading_key(mode: str) -> str:
     return f"{device_label()}|reading|{mode}"
 
 
-def reading_part(parts: dict[str, Any], mode: str, tokens: int) -> tuple[float, str]:
-    """The seconds the prediction reads the job's sample in (READING), `tokens` read: on the line through the
-    runs' here (seconds against the tokens each read) once they read at least twice as many tokens as one
-    another; else the nearest run's seconds, the tokens it did not read at the default rate; else the default."""
+def reading_part(parts: dict[str, Any], mode: str, tokens: int, chars: int = 0) -> tuple[float, str]:
+    """The seconds the prediction reads the job's sample in (READING), `chars` characters read (`tokens`
+    tokens): by the characters where the sample counted them and runs here stored theirs (READ_CHARS), else by
+    the tokens as runs before READ_CHARS stored them. See reading_line."""
     entry = parts.get(reading_key(mode), {})
-    runs = list(zip(entry.get(READ_TOKENS, []), entry.get(READING, [])))
+    seconds, stored_chars = entry.get(READING, []), entry.get(READ_CHARS, [])
+    stored_chars = stored_chars[len(stored_chars) - min(len(stored_chars), len(seconds)):]
+    if chars and (stored_chars or not seconds):
+        # each run stores both: its last readings are those its characters were stored with
+        runs = list(zip(stored_chars, seconds[len(seconds) - len(stored_chars):]))
+        return reading_line(runs, mode, chars, "characters", DEFAULT_READING_PER_CHAR)
+    return reading_line(list(zip(entry.get(READ_TOKENS, []), seconds)), mode, tokens, "tokens",
+                        DEFAULT_READING_PER_TOKEN)
+
+
+def reading_line(runs: list[tuple[float, float]], mode: str, size: int, unit: str, default: float) -> tuple[float, str]:
+    """The reading's seconds for `size` `unit` read, from the runs here ((size, seconds) each): on the line through
+    them once they read at least twice as much as one another; else the nearest run's seconds, what it did not
+    read at the default rate; else the default."""
     factor, speed = machine_speed()
-    per_token = DEFAULT_READING_PER_TOKEN * factor
+    each, one = default * factor, unit[:-1]
     if not runs:
-        return (DEFAULT_READING[mode] * factor + tokens * per_token, (
-            f"default: never measured here, {DEFAULT_READING[mode]:g} s + {DEFAULT_READING_PER_TOKEN * 1e6:g} us "
-            f"a token{speed}, {tokens:,} tokens"))
-    xs, ys = [float(t) for t, _ in runs], [y for _, y in runs]
+        return (DEFAULT_READING[mode] * factor + size * each, (
+            f"default: never measured here, {DEFAULT_READING[mode]:g} s + {default * 1e6:g} us "
+            f"a {one}{speed}, {size:,} {unit}"))
+    xs, ys = [float(x) for x, _ in runs], [y for _, y in runs]
     if max(xs) >= 2 * max(min(xs), 1.0):
         mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
         slope = max(sum((x - mean_x) * (y - mean_y) for x, y in runs) / sum((x - mean_x) ** 2 for x in xs), 0.0)
         base = mean_y - slope * mean_x
-        return max(base + slope * tokens, 0.0), (
-            f"{tokens:,} tokens on the line through {len(runs)} runs here ({base:.2f} s + {slope * 1e6:.2f} us a token)")
-    near_tokens, near_seconds = min(runs, key=lambda r: abs(math.log(max(r[0], 1)) - math.log(max(tokens, 1))))
-    return max(near_seconds + (tokens - near_tokens) * per_token, 0.0), (
-        f"{tokens:,} tokens: a run here read {near_tokens:,.0f} in {near_seconds:.2f} s, the difference at the "
-        f"default {DEFAULT_READING_PER_TOKEN * 1e6:g} us a token{speed}")
+        if base >= 0:  # else a line no reading is on (a run of another text's cost per unit): the nearest run's
+            return base + slope * size, (f"{size:,} {unit} on the line through {len(runs)} runs here ({base:.2f} s "
+                                         f"+ {slope * 1e6:.2f} us a {one})")
+    near_size, near_seconds = min(runs, key=lambda r: abs(math.log(max(r[0], 1)) - math.log(max(size, 1))))
+    return max(near_seconds + (size - near_size) * each, 0.0), (
+        f"{size:,} {unit}: a run here read {near_size:,.0f} in {near_seconds:.2f} s, the difference at the "
+        f"default {default * 1e6:g} us a {one}{speed}")
 
 
 def trial_overhead_name(kept: bool) -> str:
@@ -1884,6 +1972,9 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
         if engine_rows > 0 and engine_tokens > 0:
             mean = max((engine_tokens - metrics.get("output_tokens", 0.0)) / engine_rows, 1.0)
             fixed[f"{OVERHEAD}@{length_class(mean)}"] = outside
+            made = made_for(spec)
+            if made is not None and made.chars_per_row:  # the text it read and tokenized a row, beside it
+                fixed[f"{OVERHEAD_CHARS}@{length_class(mean)}"] = made.chars_per_row
     if index and engine_rows > 0:
         fixed["index build per 1,000 rows"] = index / engine_rows * 1000
     _add_rate_parts(out, spec, engine, metrics, engine_rows, lengths)
@@ -1903,13 +1994,14 @@ def _process_parts(marks: dict[str, float], trials_ran: bool, elsewhere: float) 
     its database: _machine_parts), and the main thread's own work besides what it did elsewhere (trials, the
     wait for the API before them, the early engine start) and the parts measured apart (main_thread_parts).
     With a trial, the main thread's work ran beside less of the API's start: stored apart (MAIN_BESIDE_TRIAL);
-    no engine starting beside it, apart too (MAIN_ALONE)."""
+    no engine starting beside it, apart too (MAIN_ALONE; in the machine's first run, MAIN_FIRST_ALONE)."""
     main = (_span(marks, "cli_ready", "tracking_warm") - elsewhere - _reading(marks) - _tracking(marks)[1]
             - _span(marks, "sample_corpus_start", "sample_corpus_written")
             - _span(marks, "answer_probe_start", "answer_probe_done") - _model_probe(marks))
     api = {} if "api_store_created" in marks else {"orchestrator API": _span(marks, "api_start", "api_ready")}
     return {"python imports": _span(marks, "process", "cli_ready"), **api,
-            (MAIN_BESIDE_TRIAL if trials_ran else MAIN_ALONE if _no_engine_before(marks, trials_ran) else MAIN): main}
+            (MAIN_BESIDE_TRIAL if trials_ran else MAIN if not _no_engine_before(marks, trials_ran)
+             else MAIN_FIRST_ALONE if "api_store_created" in marks else MAIN_ALONE): main}
 
 
 def _no_engine_before(marks: dict[str, float], trials_ran: bool) -> bool:
@@ -1926,7 +2018,8 @@ def _machine_parts(spec: JobSpec, marks: dict[str, float], alone: bool = False) 
     out: dict[str, dict[str, float]] = {}
     reading, made = _reading(marks), made_for(spec)
     if reading and made is not None and made.read_tokens:  # the tokens its prediction's sample read
-        out[reading_key(spec.mode)] = {READING: reading, READ_TOKENS: float(made.read_tokens)}
+        out[reading_key(spec.mode)] = {READING: reading, READ_TOKENS: float(made.read_tokens),
+                                       **({READ_CHARS: float(made.read_chars)} if made.read_chars else {})}
     machine = {}
     name, seconds = _tracking(marks)
     if name == TRACKING_CREATED:
