@@ -290,6 +290,8 @@ REPORTS = {
     "ROW_CACHE_7K.md": ("the row cache bench at 7,000 rows (where fixed process seconds weigh less)",
                         "python -m bench.row_cache --rows 7000 --report bench/ROW_CACHE_7K.md"),
     "PREDICTION.md": ("the wall-time prediction against measured runs", "python -m bench.prediction"),
+    "USER_SESSION.md": ("a new user's first session predicted against measured: `make run` and its rerun on a new "
+                        "machine, then jobs on installed packages' docstrings", "python -m bench.user_session"),
     "BACKFILL.md": ("backfill runs", "python -m bench.backfill"),
     "SPEED_DRIFT.md": ("identical engine work timed for minutes: how much its speed drifts here, and whether a "
                        "speed probe or recent costs would predict it better", "python -m bench.speed_drift"),
