@@ -184,9 +184,12 @@ TRACKING_ALONE = f"{TRACKING_OPENED}, no engine started before it"
 DEFAULT_TRACKING_ALONE_EXTRA = 0.45
 # The orchestrator's API, the first time it starts on a machine, creates its database (tasks/warm.py marks
 # api_store_created when it is not there): stored apart under machine_key(); never measured, this at speed 1
-# (the quiet 2-core Xeon: 6.9 s, against 3.2 s for the same API's later starts).
+# (the quiet 2-core Xeon: 6.9 s, against 3.2 s for the same API's later starts). The first jobs of 22 bench
+# reports on four hosts (bench/PREDICTION.md's, 2026-12-02 to 12-05) measured it at 4.6-9.8 s divided by their
+# machine's speed, median 7.8; the 6.8 once set put every first job on the AMX Xeon 1.5-2.3 s under (9.6-9.9 s
+# measured against 7.4-8.1 predicted, runs 49a-51).
 API_CREATED = "orchestrator API, its database created"
-DEFAULT_API_CREATED = 6.8
+DEFAULT_API_CREATED = 7.8
 # A run of a generation job whose corpus's answers nothing here measured generates a few of its rows first
 # (tokenmill.answer_probe), on the main thread before it predicts: measured, never stored.
 ANSWER_PROBE = "the answers' probe"
