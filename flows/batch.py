@@ -67,6 +67,7 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
         progress.emit("job_started", shards=len(shards), rows=None if None in expected else sum(expected))
         progress_id = create_progress_artifact(0.0, key="tokenmill-progress", description="shards finished")
 
+        timeline.mark("shards_start")  # tokenmill.prediction: a finished shard's task, in a run with none to compute
         fleet = None
         if spec.dispatch == "pool":
             fleet = dispatch_to_pool(spec, shards, state_storage(spec))

@@ -149,7 +149,8 @@ def predicted_against_measured_wall(spec: JobSpec, engine: str, engine_choice, m
         gate_samples = sum(c.seconds + c.untimed_seconds
                            for c in [gate_report.reference, *(v.cost for v in gate_report.candidates)])
     prediction.remember_run(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
-                            shards_read=len(fresh), gate_samples=gate_samples)
+                            shards_read=len(fresh), gate_samples=gate_samples,
+                            shards_finished=len(results) - len(fresh))
     get_run_logger().info("%s", predicted.describe())
     return prediction.compare(predicted, metrics, ran=spec.model if gate_report is not None else None)
 

@@ -151,6 +151,9 @@ def test_a_rerun_with_every_shard_finished_is_predicted_without_an_engine_and_re
     line = prediction_line(tokenmill("run", "--config", str(job_a["root"] / "job.yaml"), "--no-progress",
                                      cwd=job_a["root"], cache=job_a["cache"]))
     assert "for 0 rows" in line and not re.search(r"; engine start [\d.]+ s \(", line)  # 0 s: not printed
+    # its finished shards' tasks, each reading its result back: a part of their own, never measured here yet
+    assert re.search(r"finished shards [\d.]+ s \([\d.]+ s a shard, its task reading the result kept \(default: "
+                     r"never measured here, 0.11 s", line)
     # its MLflow store opened with no engine started before it: the first such opening here, predicted from the
     # one after an engine's start
     assert f"{prediction.TRACKING_ALONE} " in line and prediction.TRACKING_CREATED not in line
@@ -171,6 +174,8 @@ def test_a_rerun_with_every_shard_finished_is_predicted_without_an_engine_and_re
     # plan's and calibrate's don't store; stored by mode, the rerun's opening apart (no engine before it)
     assert len(stored[prediction.machine_key()][f"{prediction.TRACKING_OPENED}@embed"]) >= 1
     assert len(stored[prediction.machine_key()][f"{prediction.TRACKING_ALONE}@embed"]) == 1
+    # ...and its finished shards' tasks, measured apart: the next rerun's (any job's here) read them
+    assert len(stored[prediction.machine_key()][prediction.FINISHED_SHARD]) == 1
 
 
 def test_a_rerun_that_starts_no_engine_names_its_device_without_importing_the_engines_library():
@@ -207,7 +212,8 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     marks = {"process": t0, "cli_ready": t0 + 3, "api_start": t0 + 3, "api_store_created": t0 + 3,
              "sample_corpus_start": t0 + 3.2, "sample_corpus_written": t0 + 4.2, "tracking_open_start": t0 + 5,
              "tracking_created": t0 + 7.5, "tracking_warm": t0 + 8, "api_ready": t0 + 10, "flow_called": t0 + 10.5,
-             "gate_start": t0 + 11, "gate_verdict_kept": t0 + 11.1}  # every shard finished: no engine call
+             "gate_start": t0 + 11, "gate_verdict_kept": t0 + 11.1, "shards_start": t0 + 11.2,
+             "shards_done": t0 + 11.6}  # every shard finished: no engine call
     monkeypatch.setattr(timeline, "marks", lambda: dict(marks))
     monkeypatch.setattr(timeline, "process_started", lambda: t0)
     monkeypatch.setattr(timeline, "measures_process", lambda: True)
@@ -218,6 +224,9 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     machine = parts[prediction.machine_key()]
     assert machine[TRACKING_CREATED] == pytest.approx(2.5) and machine[API_CREATED] == pytest.approx(7.0)
     assert parts[prediction.gate_key(spec)] == {prediction.GATE_KEPT: pytest.approx(0.1)}
+    assert prediction.FINISHED_SHARD not in machine  # no count of finished shards given: nothing to divide by
+    finished = prediction.measured_parts(spec, "transformers", {}, 0, False, shards_finished=4)[prediction.machine_key()]
+    assert finished[prediction.FINISHED_SHARD] == pytest.approx(0.1)  # 0.4 s over the four shards' tasks
     # the store there: opened, with no engine started before it in the process (a gated job's), stored apart;
     # after an engine's early start, as any run's opening
     marks["tracking_opened"] = marks.pop("tracking_created")

@@ -208,6 +208,14 @@ AROUND_THE_ENGINE |= {OVERHEAD_CHARS}  # read from another engine's runs with th
 # 1,000 short rows in one shard, 1.6 s for 8,000 in two), so 0.24 s on the reference machine (imports then read as 2.0 s, 1.3 s of CPU) that
 # machine_speed scales from. A stated figure: a run's own overhead is stored per 1,000 rows after it.
 PER_SHARD_SECONDS = 0.24
+# A shard the output's manifest already holds still runs its task (flows/batch.py): Prefect reads its persisted
+# result back (a cache hit), and the flow rewrites the partial manifest, logs its progress and updates the progress
+# artifact. A rerun of 20,000 rows with nothing left to compute spent 0.5 s on its four where the prediction counted
+# none (an AMX Xeon at speed ~1.15, 2026-12-05: -16.8% on a 7-second job): 0.11 s a shard at speed 1. Measured in a
+# run whose every shard was finished (shards_start to shards_done, a shard) and stored under machine_key(): any
+# job's, on this machine.
+FINISHED_SHARD = "a finished shard's task"
+DEFAULT_FINISHED_SHARD = 0.11
 # The rows whose token lengths a job's engine seconds are read from (job_sample), by mode: more than the
 # trial's 256 (embed), whose tokens missed five of the bench's corpora by -6.1% to +7.6%, in every run (a
 # deterministic sample: the mixed corpus, rows of ~16 and ~256 tokens, 161,673 predicted, 150,192 computed),
@@ -1239,6 +1247,11 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
     out.append(Part(name="shard tasks", seconds=PER_SHARD_SECONDS * factor * sample.shards, source=(
         f"default: {PER_SHARD_SECONDS:g} s a shard{why}, never measured apart (a Prefect task's "
         f"run, state and result), x {sample.shards}")))
+    if sample.finished_shards:
+        seconds, source = stored(parts, machine_key(), FINISHED_SHARD, DEFAULT_FINISHED_SHARD)
+        out.append(Part(name="finished shards", seconds=seconds * sample.finished_shards,
+                        source=f"{seconds:.2f} s a shard, its task reading the result kept ({source}), "
+                               f"x {sample.finished_shards}"))
     out.append(overhead_part(parts, fixed, length_class(statistics.fmean(sample.lengths or [1])),
                              sample.rows_read or sample.rows, sample.chars_per_row))
     if spec.index is not None and spec.mode == "embed":
@@ -1942,11 +1955,12 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
                    trials_ran: bool, rows_read: int | None = None,
                    trial_engine_seconds: float = 0.0, shards_read: int = 0,
                    gate_samples: float | None = None,
-                   lengths: list[call_costs.CallCost] = ()) -> dict[str, dict[str, float]]:
+                   lengths: list[call_costs.CallCost] = (), shards_finished: int = 0) -> dict[str, dict[str, float]]:
     """This run's parts, by the cache key each is stored under (see `predict`). trial_engine_seconds: the
     trials' engines' whole trials (each engine's `wall_seconds`), when this run paid for trials;
     gate_samples: the seconds its eval gate's models spent on their timed samples, when it measured them;
-    shards_read: the shards it ran (each a task: PER_SHARD_SECONDS of its overhead is theirs, not the rows')."""
+    shards_read: the shards it ran (each a task: PER_SHARD_SECONDS of its overhead is theirs, not the rows');
+    shards_finished: those the output already held (each a task that reads its result back: FINISHED_SHARD)."""
     marks = {"process": timeline.process_started(), **timeline.marks()}
     if not timeline.measures_process() or not {"cli_ready", "tracking_warm", "flow_called"} <= set(marks):
         return {}
@@ -1960,11 +1974,15 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     if gate:
         out.update(_gate_parts(spec, marks, gate_samples))
     if "first_engine_call" not in marks:  # every shard finished before: the process's parts, no engine's
+        if shards_finished and "shards_start" in marks and "shards_done" in marks:
+            out.setdefault(machine_key(), {})[FINISHED_SHARD] = _span(marks, "shards_start", "shards_done") / shards_finished
         return out
     prepare, in_shard = _first_shard(marks, early)
     index = _span(marks, "index_start", "index_done")
     # not the engine's start either, where it started in the first shard (the prediction's "engine start")
-    fixed["flow start"] = _span(marks, "flow_called", "first_engine_call") - prepare - gate - in_shard
+    # nor the finished shards' tasks ahead of the first that computes (a resumed run's: "finished shards")
+    before = _span(marks, "shards_start", "first_shard_started") if shards_finished else 0.0
+    fixed["flow start"] = _span(marks, "flow_called", "first_engine_call") - prepare - gate - in_shard - before
     fixed["finish"] = _span(marks, "shards_done", "record_started") - index
     engine_seconds, engine_tokens = metrics.get("engine_seconds", 0.0), metrics.get("engine_tokens", 0.0)
     rows_read = rows_read if rows_read is not None else engine_rows
@@ -2151,10 +2169,10 @@ _exit_from: list[tuple[str, float, str]] = []  # (parts key, record's start, par
 
 def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_rows: int,
                  trials_ran: bool, rows_read: int | None = None, trial_engine_seconds: float = 0.0,
-                 shards_read: int = 0, gate_samples: float | None = None) -> None:
+                 shards_read: int = 0, gate_samples: float | None = None, shards_finished: int = 0) -> None:
     """Store this run's measured parts for the next prediction of any job on this engine here."""
     remember_parts(measured_parts(spec, engine, metrics, engine_rows, trials_ran, rows_read, trial_engine_seconds,
-                                  shards_read, gate_samples, call_costs.take_lengths(spec, engine)))
+                                  shards_read, gate_samples, call_costs.take_lengths(spec, engine), shards_finished))
     call_costs.remember_calls(cache_dir(), rates_key(spec, engine), call_costs.take(spec, engine))
     if spec.mode == "generate":  # the next prediction of this corpus and prompt reads how long its answers ran
         answers, prompts = call_costs.take_answers(spec, engine)
