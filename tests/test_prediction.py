@@ -153,7 +153,7 @@ def test_a_rerun_with_every_shard_finished_is_predicted_without_an_engine_and_re
     assert "for 0 rows" in line and not re.search(r"; engine start [\d.]+ s \(", line)  # 0 s: not printed
     # its finished shards' tasks, each reading its result back: a part of their own, never measured here yet
     assert re.search(r"finished shards [\d.]+ s \([\d.]+ s a shard, its task reading the result kept \(default: "
-                     r"never measured here, 0.11 s", line)
+                     r"never measured here, 0.06 s", line)
     # its MLflow store opened with no engine started before it: the first such opening here, predicted from the
     # one after an engine's start
     assert f"{prediction.TRACKING_ALONE} " in line and prediction.TRACKING_CREATED not in line

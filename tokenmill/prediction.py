@@ -210,12 +210,11 @@ AROUND_THE_ENGINE |= {OVERHEAD_CHARS}  # read from another engine's runs with th
 PER_SHARD_SECONDS = 0.24
 # A shard the output's manifest already holds still runs its task (flows/batch.py): Prefect reads its persisted
 # result back (a cache hit), and the flow rewrites the partial manifest, logs its progress and updates the progress
-# artifact. A rerun of 20,000 rows with nothing left to compute spent 0.5 s on its four where the prediction counted
-# none (an AMX Xeon at speed ~1.15, 2026-12-05: -16.8% on a 7-second job): 0.11 s a shard at speed 1. Measured in a
-# run whose every shard was finished (shards_start to shards_done, a shard) and stored under machine_key(): any
-# job's, on this machine.
+# artifact: a part the prediction counted as none. Measured in a run whose every shard was finished (shards_start to
+# shards_done, a shard) and stored under machine_key(): any job's, on this machine. An AMX Xeon at speed ~1.1
+# (2026-12-05, bench/USER_SESSION.md) measured 0.05, 0.07 and 0.08 s a shard in three such reruns: 0.06 at speed 1.
 FINISHED_SHARD = "a finished shard's task"
-DEFAULT_FINISHED_SHARD = 0.11
+DEFAULT_FINISHED_SHARD = 0.06
 # The rows whose token lengths a job's engine seconds are read from (job_sample), by mode: more than the
 # trial's 256 (embed), whose tokens missed five of the bench's corpora by -6.1% to +7.6%, in every run (a
 # deterministic sample: the mixed corpus, rows of ~16 and ~256 tokens, 161,673 predicted, 150,192 computed),
