@@ -306,27 +306,6 @@ def test_engine_seconds_follow_the_rate_curve_over_length():
     assert rate_at(points, 64) == pytest.approx(2000.0)  # log-log between: halfway in log length
 
 
-def test_an_encoders_rate_beyond_its_longest_measured_rows_falls_as_its_attention_grows(tmp_path, monkeypatch):
-    """Rows longer than any measured here: the rate there times a token's cost there over its cost at theirs
-    (2 x hidden + intermediate + length, from the model's config), never below the shortest, never for generation."""
-    from tokenmill import prediction
-    from tokenmill.prediction import JobSample, attention_width, engine_part, rate_at
-    from tokenmill.tasks.job import PrefectJob
-
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
-    spec = PrefectJob.model_validate({"input": str(tmp_path), "output": str(tmp_path / "out"), "mode": "embed",
-                                      "model": {"name": "all-MiniLM-L6-v2", "engine": "transformers"}})
-    width = attention_width(spec)
-    assert width == 2 * 384 + 1536  # all-MiniLM-L6-v2's config: hidden 384, intermediate 1,536
-    assert rate_at([(14, 9074.0)], 256, width) == pytest.approx(9074.0 * (2304 + 14) / (2304 + 256))
-    assert rate_at([(14, 9074.0)], 8, width) == 9074.0  # shorter rows: the shortest measured's rate
-    assert attention_width(spec.model_copy(update={"mode": "generate"})) is None
-    parts = {prediction.rates_key(spec, "transformers"): {"tokens_per_s@4": [9074.0], "mean_tokens@4": [14.0]}}
-    part, tokens = engine_part(spec, "transformers", JobSample(rows=1500, shards=1, lengths=[256] * 64), [], parts)
-    assert tokens == 1500 * 256 and part.seconds == pytest.approx(tokens / 9074.0 * 2560 / 2318)
-    assert "100% of the rows longer than measured" in part.source
-
-
 def test_rows_of_jsonl_shards_are_counted_and_empty_ones_count_none(tmp_path):
     """Each JSONL shard's rows are its non-blank lines, counted (bad lines too: they are rows, rejected), in
     files whose rows differ in length; a corpus whose JSONL files are all empty counts 0 rows for them instead

@@ -829,47 +829,20 @@ def stored(parts: dict[str, Any], key: str, name: str, default: float | None) ->
 
 # ---- engine seconds ----------------------------------------------------------------------------------
 
-def rate_at(points: list[tuple[float, float]], length: float, width: float | None = None) -> float:
+def rate_at(points: list[tuple[float, float]], length: float) -> float:
     """tokens/s at `length` tokens a row from (mean tokens a row, tokens/s) points: log-log between
-    the measured lengths, the nearest one's rate beyond them; beyond the longest, with an encoder's `width`
-    (attention_width), that rate times what a token costs there over what it costs at `length`."""
+    the measured lengths, the nearest one's rate beyond them."""
     points = sorted(points)
     x = math.log(max(length, 1.0))
     logs = [(math.log(m), math.log(r)) for m, r in points]
     if x <= logs[0][0]:
         return points[0][1]
     if x >= logs[-1][0]:
-        return points[-1][1] * ((width + points[-1][0]) / (width + length) if width else 1.0)
+        return points[-1][1]
     for (x0, y0), (x1, y1) in zip(logs, logs[1:]):
         if x0 <= x <= x1:
             return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0 or 1.0))
     return points[-1][1]
-
-
-# An encoder's token costs its layers' matrix products, the same at any length (4d² for the attention's projections,
-# 2·d·ff for the feed-forward, d the hidden size, ff the intermediate), and its attention's, which grow with the row
-# (2·L·d for the scores and their sum): per token ∝ 2d + ff + L. A rate measured at shorter rows than a job's is
-# read at the job's lengths by that ratio, never flat: all-MiniLM-L6-v2 (d 384, ff 1,536) at 256 tokens a row costs
-# 1.10x a token at 14, and transformers here (an AMX Xeon, 2026-12-05) ran 9,074 tokens/s at 14 in runs and 8,330
-# at 256 (0.92), which the flat rate put 8% too fast (-9.7% on the job). Not below the shortest measured: a row's
-# own costs (the call's, the padding's) dominate short rows and make their tokens dearer, not cheaper.
-_WIDTHS: dict[str, float | None] = {}
-
-
-def attention_width(spec: JobSpec) -> float | None:
-    """Embed: 2 x the model's hidden size + its intermediate size (config.json), in tokens of a row's length
-    (see above); None for generation (its calls are fit: calls_part) or where the config says neither."""
-    if spec.mode != "embed":
-        return None
-    name = spec.model_name
-    if name not in _WIDTHS:
-        try:
-            config = json.loads((Path(resolve_model(name)) / "config.json").read_text())
-            hidden = float(config["hidden_size"])
-            _WIDTHS[name] = 2 * hidden + float(config.get("intermediate_size") or 4 * hidden)
-        except Exception:  # noqa: BLE001 - no local config (a hub name offline): the flat rate
-            _WIDTHS[name] = None
-    return _WIDTHS[name]
 
 
 def default_rate(engine: str, mode: str, quantization: str | None = None) -> float:
@@ -913,15 +886,10 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
                     f"{f' ({quantization})' if quantization else ''}{compute_speed(spec.mode, quantization)[1]})"
                     f"{answered}{repeats}"), tokens
     curve = [(mean + out_per_row, rate) for mean, rate, _ in points]
-    width = attention_width(spec)
-    seconds = row_share * sum((n + out_per_row) / rate_at(curve, n + out_per_row, width) for n in lengths)
+    seconds = row_share * sum((n + out_per_row) / rate_at(curve, n + out_per_row) for n in lengths)
     measured_at = ", ".join(f"{m:,.0f} ({where})" for m, _, where in points)
-    longer = sum(n > curve[-1][0] for n in lengths) if width else 0
-    beyond = (f"; {longer / len(lengths):.0%} of the rows longer than measured, at the rate there x (the encoder's "
-              f"{width:,.0f} + its length) / ({width:,.0f} + theirs): a token's attention grows with its row"
-              if longer else "")
     source = (f"{tokens / seconds if seconds else 0:,.0f} tokens/s over the sample's lengths, from {engine} "
-              f"measured here at {measured_at} tokens a row{beyond}{answered}{repeats}")
+              f"measured here at {measured_at} tokens a row{answered}{repeats}")
     return Part(name="engine", seconds=seconds, source=source), tokens
 
 
@@ -1536,8 +1504,7 @@ def trials_part(spec: JobSpec, sample: JobSample, parts: dict[str, Any], able: l
                 start, start_source = start + compiling, f"default; {why}"
         if points:
             curve = [(m + min(out_per_row, TRIAL_MAX_TOKENS), r) for m, r, _ in points]
-            rate, rate_source = rate_at(curve, mean + min(out_per_row, TRIAL_MAX_TOKENS),
-                                        attention_width(spec)), "measured"
+            rate, rate_source = rate_at(curve, mean + min(out_per_row, TRIAL_MAX_TOKENS)), "measured"
         else:
             rate, rate_source = default_rate_here(engine, spec.mode), "default"
         by_calls = trial_calls(spec, engine, sample.trial_lengths or sample.lengths, trials)
