@@ -472,6 +472,25 @@ def test_shard_overhead_grows_with_the_text_each_row_is_read_from_not_the_tokens
     assert other.seconds == pytest.approx(1.0) and "measured here on transformers" in other.source
 
 
+def test_shard_overhead_of_several_runs_is_their_lower_quartile_not_one_stall_carried_to_a_larger_job():
+    """A run's overhead outside the engine is its rows' work plus the host's stalls, which do not grow with the
+    rows: two 1,000-row jobs read 0.2 and 0.5 s per 1,000 rows (run 53) and their median put an 8,000-row job
+    at 2.9 s where it took 0.8. The lowest of 2-4 figures, the second lowest of 5, stands for the rows'."""
+    from tokenmill.prediction import OVERHEAD, overhead_part
+
+    key = "here|transformers|embed"
+    parts = {key: {f"{OVERHEAD}@4": [0.2, 0.5]}}
+    at_4 = overhead_part(parts, key, 4, 8000)
+    assert at_4.seconds == pytest.approx(0.2 * 8) and "lower quartile of 2 runs" in at_4.source
+    five = overhead_part({key: {f"{OVERHEAD}@4": [0.5, 0.1, 0.3, 0.2, 0.9]}}, key, 4, 1000)
+    assert five.seconds == pytest.approx(0.2)
+    one = overhead_part({key: {f"{OVERHEAD}@4": [0.5]}}, key, 4, 1000)
+    assert one.seconds == pytest.approx(0.5) and "median of 1 run" in one.source
+    # scaled from the nearest length measured: its lower quartile too
+    near = overhead_part(parts, key, 5, 1000)
+    assert near.seconds == pytest.approx(0.4) and "lower quartile of 2 runs" in near.source
+
+
 def test_orchestration_start_is_what_the_engines_start_does_not_hide():
     """Prefect's API starts beside the main thread and the engine's start: figures measured beside vLLM's
     long start predict transformers' short one, and the reverse."""

@@ -806,25 +806,28 @@ def _probe_core() -> float | None:
         return None
 
 
-def stored(parts: dict[str, Any], key: str, name: str, default: float | None) -> tuple[float | None, str]:
-    """A part's seconds here (the median of its last measurements) and where they came from. A part of
-    the process around the engine (AROUND_THE_ENGINE) that runs on this engine never measured is read
-    from runs on another engine of this device and mode, and says so."""
+def stored(parts: dict[str, Any], key: str, name: str, default: float | None,
+           low: bool = False) -> tuple[float | None, str]:
+    """A part's seconds here (the median of its last measurements; with `low`, their lower quartile) and where
+    they came from. A part of the process around the engine (AROUND_THE_ENGINE) that runs on this engine never
+    measured is read from runs on another engine of this device and mode, and says so."""
     values = parts.get(key, {}).get(name)
-    source = f"measured here, median of {len(values or [])} run{'s' if len(values or []) > 1 else ''}"
+    of = "lower quartile" if low and len(values or []) > 1 else "median"
+    source = f"measured here, {of} of {len(values or [])} run{'s' if len(values or []) > 1 else ''}"
     if not values and name.split("@")[0] in AROUND_THE_ENGINE:
         device, engine, mode = key.split("|")
         other = next((k for k, v in sorted(parts.items()) if v.get(name) and k.count("|") == 2
                       and k.startswith(f"{device}|") and k.endswith(f"|{mode}")), None)
         if other is not None:
             values = parts[other][name]
-            source = f"measured here on {other.split('|')[1]}, median of {len(values)} run{'s' if len(values) > 1 else ''}"
+            of = "lower quartile" if low and len(values) > 1 else "median"
+            source = f"measured here on {other.split('|')[1]}, {of} of {len(values)} run{'s' if len(values) > 1 else ''}"
     if not values:
         if default is None:
             return None, "default: never measured here"
         factor, why = machine_speed()
         return default * factor, f"default: never measured here, {default:g} s{why}"
-    return statistics.median(values), source
+    return (lower_quartile(values) if low else statistics.median(values)), source
 
 
 # ---- engine seconds ----------------------------------------------------------------------------------
@@ -1162,14 +1165,18 @@ def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int, chars
     sample's characters a row, against those of the runs that measured it (OVERHEAD_CHARS; the default's:
     OVERHEAD_DEFAULT_CHARS), where both are known; else by the rows' length class (a class is twice the tokens
     a row of the one below: the runs here took 0.0-0.1 s per 1,000 rows of ~19 tokens, 0.2 of ~57, 1.1-1.3 of
-    ~255)."""
+    ~255). Of several runs' figures, their lower quartile (the lowest of 2-4): what a run spends here outside the
+    engine is its rows' work plus stalls of the host's that do not grow with the rows, and a figure per 1,000
+    rows carries a small job's stall to a large one multiplied (run 53: 0.2 and 0.5 s per 1,000 rows from two
+    1,000-row jobs, where runs 51-52 read 0.1 from each; their median put the 8,000-row job's overhead at 2.9 s
+    against the 0.8 it took, +17.6% on its wall)."""
     def by_text(seconds: float, at: int | None) -> tuple[float, str] | None:
         measured = OVERHEAD_DEFAULT_CHARS if at is None else stored(parts, key, f"{OVERHEAD_CHARS}@{at}", None)[0]
         if not chars or not measured:
             return None
         return seconds * chars / measured, f"x {chars:,.0f} characters a row against {measured:,.0f}"
 
-    seconds, source = stored(parts, key, f"{OVERHEAD}@{length}", None)
+    seconds, source = stored(parts, key, f"{OVERHEAD}@{length}", None, low=True)
     if seconds is not None:
         source += " at this length"
         scaled = by_text(seconds, length)
@@ -1184,7 +1191,7 @@ def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int, chars
         measured = sorted((abs(at - length), at) for at in classes)
         if measured and measured[0][0] <= MAX_LENGTH_CLASSES_SCALED:
             nearest = [at for gap, at in measured if gap == measured[0][0]]
-            each = [stored(parts, key, f"{OVERHEAD}@{at}", None)[0] for at in nearest]
+            each = [stored(parts, key, f"{OVERHEAD}@{at}", None, low=True)[0] for at in nearest]
             texts = [by_text(value, at) for value, at in zip(each, nearest)]
             if all(texts):
                 seconds, how = statistics.fmean(t[0] for t in texts), "; ".join(t[1] for t in texts)
@@ -1193,7 +1200,7 @@ def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int, chars
                 how = f"x the rows' length (~{2 ** length} tokens)"
             runs = len(parts.get(key, {}).get(f"{OVERHEAD}@{nearest[0]}") or [None])
             source = (f"measured here at {' and '.join(f'~{2 ** at} tokens a row' for at in nearest)} "
-                      f"(median of {runs} run{'s' if runs > 1 else ''}), {how}")
+                      f"({'lower quartile' if runs > 1 else 'median'} of {runs} run{'s' if runs > 1 else ''}), {how}")
         else:  # the default is at OVERHEAD_DEFAULT_LENGTH (OVERHEAD_DEFAULT_CHARS), in proportion to the rows' text
             factor, why = machine_speed()
             seconds, source = DEFAULT_SECONDS[OVERHEAD] * factor, f"default: never measured here, {DEFAULT_SECONDS[OVERHEAD]:g} s{why}"
