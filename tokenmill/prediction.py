@@ -812,22 +812,26 @@ def stored(parts: dict[str, Any], key: str, name: str, default: float | None,
     they came from. A part of the process around the engine (AROUND_THE_ENGINE) that runs on this engine never
     measured is read from runs on another engine of this device and mode, and says so."""
     values = parts.get(key, {}).get(name)
-    of = "lower quartile" if low and len(values or []) > 1 else "median"
-    source = f"measured here, {of} of {len(values or [])} run{'s' if len(values or []) > 1 else ''}"
+    source = f"measured here, {of_runs(len(values or []), low)}"
     if not values and name.split("@")[0] in AROUND_THE_ENGINE:
         device, engine, mode = key.split("|")
         other = next((k for k, v in sorted(parts.items()) if v.get(name) and k.count("|") == 2
                       and k.startswith(f"{device}|") and k.endswith(f"|{mode}")), None)
         if other is not None:
             values = parts[other][name]
-            of = "lower quartile" if low and len(values) > 1 else "median"
-            source = f"measured here on {other.split('|')[1]}, {of} of {len(values)} run{'s' if len(values) > 1 else ''}"
+            source = f"measured here on {other.split('|')[1]}, {of_runs(len(values), low)}"
     if not values:
         if default is None:
             return None, "default: never measured here"
         factor, why = machine_speed()
         return default * factor, f"default: never measured here, {default:g} s{why}"
     return (lower_quartile(values) if low else statistics.median(values)), source
+
+
+def of_runs(count: int, low: bool = False) -> str:
+    """Which of `count` runs' figures a part reads, as stored() reads it: their median, or with `low` their
+    lower quartile (of one run, its figure: its median)."""
+    return f"{'lower quartile' if low and count > 1 else 'median'} of {count} run{'s' if count > 1 else ''}"
 
 
 # ---- engine seconds ----------------------------------------------------------------------------------
@@ -1200,7 +1204,7 @@ def overhead_part(parts: dict[str, Any], key: str, length: int, rows: int, chars
                 how = f"x the rows' length (~{2 ** length} tokens)"
             runs = len(parts.get(key, {}).get(f"{OVERHEAD}@{nearest[0]}") or [None])
             source = (f"measured here at {' and '.join(f'~{2 ** at} tokens a row' for at in nearest)} "
-                      f"({'lower quartile' if runs > 1 else 'median'} of {runs} run{'s' if runs > 1 else ''}), {how}")
+                      f"({of_runs(runs, low=True)}), {how}")
         else:  # the default is at OVERHEAD_DEFAULT_LENGTH (OVERHEAD_DEFAULT_CHARS), in proportion to the rows' text
             factor, why = machine_speed()
             seconds, source = DEFAULT_SECONDS[OVERHEAD] * factor, f"default: never measured here, {DEFAULT_SECONDS[OVERHEAD]:g} s{why}"
