@@ -49,6 +49,8 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
             timeline.mark("gate_start")  # tokenmill.prediction: the gate's seconds, apart from the flow's start
             gate_report = run_gate(spec, record=False)  # its tasks in this flow run, not a subflow's
             timeline.mark("gate_verdict_kept" if gate_report.cached else "gate_measured")
+            if gate_report.cached and prediction.gate_ran_first():  # measured by this run, before its prediction
+                gate_report = gate_report.model_copy(update={"cached": False})  # (tokenmill.gate.judge_first)
             timeline.forget("engine_start", "engine_ready")  # the gate's engines'; the corpus's marks its own
             if gate_report.action == "fail":
                 log_gate_run(spec, gate_report)
@@ -88,7 +90,10 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
             timeline.mark("index_done")
             logger.info("\n%s", index_report.markdown())
         timeline.mark("record_started")
-        record = record_run_task(spec, results, time.perf_counter() - started, cached, gate_report=gate_report,
+        # the job's wall, with its gate's where this run measured that before its prediction (gate.judge_first):
+        # the gate is the job's, paid as when it runs in the flow
+        wall = time.perf_counter() - started + prediction.gate_ran_first()
+        record = record_run_task(spec, results, wall, cached, gate_report=gate_report,
                                  fleet_metrics=fleet.metrics if fleet else None,
                                  fleet_workers=fleet.workers if fleet else None, run_id=run_id,
                                  engine_choice=engine_choice)

@@ -301,17 +301,48 @@ def test_embed_gate_fails_a_damaged_candidate_with_each_metric_against_its_thres
 
 
 @pytest.mark.engine
-def test_embed_gate_use_reference_runs_the_corpus_with_the_reference(tmp_path, embed_corpus, embed_spec,
-                                                                     damaged_minilm):
-    from tokenmill.flows.batch import batch_flow
+def test_embed_gate_use_reference_runs_the_corpus_with_the_reference_measured_before_the_runs_prediction(
+        tmp_path, embed_corpus, damaged_minilm):
+    """`tokenmill run`, as a user runs it: the gate (no verdict here yet) measures before the prediction, which
+    then names the model the corpus runs on, the reference; the next run finds the verdict kept."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    spec = embed_spec(embed_corpus, model={"name": damaged_minilm, "engine": "transformers"},
-                      gate={"reference": REFERENCE_EMBED, "sample_rows": 64, "on_fail": "use_reference"})
-    record = batch_flow(spec)
-    mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
-    run = mlflow.get_run(record.mlflow_run_id)
-    assert run.data.params["gate_action"] == "reference"
-    assert run.data.params["model"] == "all-MiniLM-L6-v2" and run.data.metrics["gate_passed"] == 0.0
+    import yaml
+
+    job = {"input": str(embed_corpus), "output": str(tmp_path / "out"), "mode": "embed",
+           "model": {"name": damaged_minilm, "engine": "transformers"},
+           "gate": {"reference": REFERENCE_EMBED, "sample_rows": 64, "on_fail": "use_reference"},
+           "tracking": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "tests"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / ".prefect"), TOKENMILL_CACHE_DIR=str(tmp_path / "cache"))
+
+    def run() -> list[str]:
+        done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "run", "--config", str(tmp_path / "job.yaml"),
+                               "--no-progress"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.splitlines()
+
+    lines = run()
+    measuring = lines.index("Eval gate: no verdict here on this sample yet; measuring 2 models on 64 rows before the "
+                            "prediction")
+    failed = next(i for i, line in enumerate(lines) if line.startswith("eval gate FAILED on 64 rows"))
+    predicted = next(i for i, line in enumerate(lines) if line.startswith("predicted wall"))
+    assert measuring < failed < predicted
+    assert lines[predicted].startswith("predicted wall") and " on transformers: " in lines[predicted]
+    assert "s before this prediction, no verdict here on this sample yet" in lines[predicted]
+    assert "verdict on this sample kept (reference)" in lines[predicted]  # the flow's gate, after it
+    mlflow.set_tracking_uri(job["tracking"]["mlflow_tracking_uri"])
+    record = mlflow.search_runs(experiment_names=["tests"], order_by=["attributes.start_time DESC"]).iloc[0]
+    assert record["params.gate_action"] == "reference" and record["params.model"] == "all-MiniLM-L6-v2"
+    assert record["metrics.gate_passed"] == 0.0 and record["metrics.predicted_wall_seconds"] > 0
+    assert "metrics.predicted_wall_seconds_as_gated" not in record or np.isnan(
+        record["metrics.predicted_wall_seconds_as_gated"])  # predicted on the model that ran: no other branch
+    # its seconds stored as a measuring gate's, for the next prediction of a gate of these models
+    stored = json.loads((tmp_path / "cache" / "run-parts.json").read_text())
+    assert any(v.get("gate") for k, v in stored.items() if "|gate|" in k)
     # the corpus really ran on the reference: its vectors match the reference model's
     from sentence_transformers import SentenceTransformer
 
@@ -322,6 +353,9 @@ def test_embed_gate_use_reference_runs_the_corpus_with_the_reference(tmp_path, e
         [texts[i] for i in first_ids])
     ours = np.array(table.column("embedding").to_pylist()[:5])
     assert (ours * expected).sum(1).min() > 0.999
+    again = run()  # the verdict kept: no gate before the prediction
+    assert not any(line.startswith("Eval gate:") for line in again)
+    assert "before this prediction" not in next(line for line in again if line.startswith("predicted wall"))
 
 
 @pytest.fixture

@@ -618,7 +618,6 @@ def test_first_run_trials_are_each_engine_from_its_measured_parts(monkeypatch):
                     + trial_tokens(spec, sample.lengths, "transformers") / prediction.default_rate_here("transformers", "embed"))  # the probed compute
     assert part.seconds == pytest.approx(vllm + transformers + 2.0)
     assert "vllm 22.0 s start (measured here, median of 3)" in part.source and "(2 default figures)" in part.source
-    assert not part.is_default
     # nothing measured: every figure a default, and the trials' overhead too (the last engine closed)
     none = trials_part(spec, sample, {}, ["transformers", "vllm"], [], kept=False)
     assert none.is_default and none.seconds > transformers + prediction.default_start("vllm", "embed")
@@ -1306,6 +1305,59 @@ def test_a_gated_runs_gate_is_its_own_part_not_the_flows_start_nor_the_engines(t
     parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False)
     assert parts[prediction.gate_key(ran)] == {"gate, verdict kept": pytest.approx(0.5)}
     assert parts[prediction.engine_key(ran, "transformers")] == {"engine start": pytest.approx(0.8)}
+
+
+def test_a_run_that_measured_its_gate_before_predicting_predicts_the_verdicts_model_with_those_seconds(
+        tmp_path, monkeypatch):
+    """`tokenmill run` measures an embedding gate with no verdict here before it predicts (gate.judge_first): the
+    prediction reads the verdict (its model, its rate on the sample), the gate's seconds as measured, the
+    flow's gate after them as a kept verdict's, the sample rows the gate kept, the exit with the gate's models
+    open; the run stores that gate's seconds as a measuring gate's, apart from its main thread's. plan and
+    calibrate, in processes that did not measure it, read the verdict kept alone."""
+    from tokenmill import gate, prediction, timeline
+    from tokenmill.gate import CandidateVerdict, GateReport, ModelCost
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
+    spec = _gated_job(tmp_path)
+    spec = spec.model_copy(update={"gate": spec.gate.model_copy(update={"on_fail": "use_reference"})})
+    texts, source = gate.sample_texts(spec)
+    tokens = 16 * 12
+    failed = GateReport.judge(  # the candidate fails: the reference runs the corpus
+        spec, source, 16, ModelCost(model="ref", engine="transformers", seconds=1.0, tokens=tokens,
+                                    tokens_per_s=1000.0, usd_per_1m_tokens=0.02),
+        [CandidateVerdict(cost=ModelCost(model="int8", engine="onnxruntime", seconds=0.1, tokens=tokens,
+                                         tokens_per_s=4000.0, usd_per_1m_tokens=0.005), metrics=[], passed=False)])
+    gate._write_verdict(gate.verdict_key(spec, texts), failed, gate.judge_key(spec))
+    kept = prediction.predict_job(spec)  # a plan's: no gate measured in its process
+    assert kept.engine == "transformers" and "verdict on this sample kept (reference)" in kept.part("eval gate").source
+    t0 = 1000.0
+    marks = {"process": t0, "cli_ready": t0 + 2, prediction.GATE_FIRST[0]: t0 + 3, prediction.GATE_FIRST[1]: t0 + 23}
+    monkeypatch.setattr(timeline, "marks", lambda: dict(marks))
+    monkeypatch.setattr(timeline, "process_started", lambda: t0)
+    monkeypatch.setattr(timeline, "measures_process", lambda: True)
+    monkeypatch.setattr("tokenmill.prediction.MADE_SPANS", [(t0 + 5, t0 + 9)])
+    run = prediction.predict_job(spec)
+    part = run.part("eval gate")
+    assert run.engine == "transformers" and not run.branches  # the model the verdict picked, no other assumed
+    assert part.seconds == pytest.approx(20.0 + kept.part("eval gate").seconds)
+    assert part.source.startswith("20.0 s before this prediction, no verdict here on this sample yet") \
+        and "4.0 s of it making the models" in part.source and "verdict on this sample kept (reference)" in part.source
+    assert "(its gate's sample)" in run.part("engine").source  # the reference's rate on the sample
+    assert run.rows == 40 - 16 and kept.rows == 40  # the gate's sample rows kept in the row cache
+    assert "the gate's models" in run.part("exit").source and "the gate's models" not in kept.part("exit").source
+    # what the run stores: that gate as a measuring gate's (without the making), the flow's as a kept verdict's, and
+    # the main thread without it
+    marks.update({"tracking_warm": t0 + 26, "flow_called": t0 + 27, "gate_start": t0 + 28,
+                  "gate_verdict_kept": t0 + 28.2, "first_shard_started": t0 + 29, "first_engine_call": t0 + 30,
+                  "shards_done": t0 + 40, "record_started": t0 + 41})
+    ran = spec.model_copy(update={"model": spec.gate.reference})
+    parts = prediction.measured_parts(ran, "transformers", {"engine_seconds": 8.0, "engine_tokens": 4000.0}, 40, False,
+                                      gate_samples=6.0)
+    assert parts[prediction.gate_key(ran)] == {prediction.GATE_MEASURED: pytest.approx(16.0),
+                                               prediction.GATE_KEPT: pytest.approx(0.2),
+                                               prediction.GATE_BESIDES: pytest.approx(10.0)}
+    assert parts[prediction.fixed_key(ran, "transformers")][prediction.MAIN_ALONE] == pytest.approx(24 - 20)
 
 
 def test_a_model_not_made_here_yet_is_predicted_with_its_making(tmp_path, monkeypatch):

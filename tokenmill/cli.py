@@ -193,8 +193,6 @@ def spec_from_args(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tokenmill.spec import DEFAULT_INPUT
-
     spec = spec_from_args(args)
     if args.print_spec:
         print(spec.to_yaml(), end="")
@@ -208,14 +206,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         from tokenmill.prediction import probe_machine
 
         probe_machine(spec)  # a first command's model probe: before the API's start, which it slowed beside it
-    api = start_api_in_background()  # its process starts now; the flow's imports and the engine's start overlap it
-    if spec.input == DEFAULT_INPUT and not Path(DEFAULT_INPUT).exists():
-        from tokenmill.sample_corpus import write_sample_corpus
+    # an embedding gate with no verdict here on its sample yet measures now, so the prediction knows which model
+    # runs the corpus (tokenmill.gate.judge_first); before the API's start, as the machine's model probe, not
+    # beside it. Not where the corpus's credentials are a Prefect block, which only the API reads
+    if local and spec.gate is not None and spec.mode == "embed" and not getattr(spec, "storage_block", None):
+        _write_sample_corpus(spec)  # the corpus the gate samples
+        from tokenmill.gate import judge_first
 
-        print(f"Writing the sample corpus to {DEFAULT_INPUT}/ (first run)")
-        timeline.mark("sample_corpus_start")  # tokenmill.prediction: a first run's part, apart from the main thread's
-        write_sample_corpus(DEFAULT_INPUT)
-        timeline.mark("sample_corpus_written")
+        judge_first(spec, say=lambda line: print(line, flush=True))
+    api = start_api_in_background()  # its process starts now; the flow's imports and the engine's start overlap it
+    _write_sample_corpus(spec)
 
     from tokenmill.flows.batch import batch_flow
 
@@ -244,6 +244,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"MLflow:    run {record.mlflow_run_id}: {mlflow_ui_command(record.mlflow_tracking_uri)}")
     print("Prefect:   prefect server start, then http://127.0.0.1:4200/runs")
     return 0
+
+
+def _write_sample_corpus(spec) -> None:
+    """The demo's sample corpus, where the job reads it and it is not there yet (a first `make run`)."""
+    from tokenmill import timeline
+    from tokenmill.spec import DEFAULT_INPUT
+
+    if spec.input == DEFAULT_INPUT and not Path(DEFAULT_INPUT).exists():
+        from tokenmill.sample_corpus import write_sample_corpus
+
+        print(f"Writing the sample corpus to {DEFAULT_INPUT}/ (first run)")
+        timeline.mark("sample_corpus_start")  # tokenmill.prediction: a first run's part, apart from the main thread's
+        write_sample_corpus(DEFAULT_INPUT)
+        timeline.mark("sample_corpus_written")
 
 
 def cmd_gate(args: argparse.Namespace) -> int:

@@ -342,6 +342,45 @@ def evaluate(spec: JobSpec, texts: list[str], source: str, refresh: bool = False
     return report
 
 
+GATE_FIRST = ("gate_first_start", "gate_first_done")  # timeline marks of a run's gate before its prediction
+
+
+def judge_first(spec: JobSpec, say=log.info) -> GateReport | None:
+    """`tokenmill run`'s eval gate before its prediction, where this machine has no verdict on an embedding
+    job's sample yet: evaluate() measures every model and keeps the verdict, the prediction then reads which
+    model the corpus runs on and that model's rate on the sample, and the flow's gate finds the verdict kept
+    (its tasks and artifact in the flow run as ever, no engine started). Before it, a first gated run was
+    predicted on the cheapest candidate as if it passed: on 2-core EPYCs without VNNI `make run`'s gate
+    failed both int8 candidates on the demo's sample (top-10 overlap 0.893-0.898 against 0.90) in three
+    sessions, and the corpus ran on the reference, 352 s against 227 s predicted and 388 s against 237
+    (bench/USER_SESSION.md); the ladder's mixed corpus passed on ONNX Runtime's int8 on the same CPUs: only
+    a gate on the corpus tells. Its span is marked (GATE_FIRST) and the engines' start marks of its models
+    forgotten, as the flow's gate forgets them. None where it did not measure: a verdict kept, a generation
+    gate (its models measured in the flow as before), or a failure (logged; the flow's gate meets it and
+    reports it on the job's record). `say`: where its two lines go (the command prints them)."""
+    from tokenmill import timeline
+
+    if spec.gate is None or spec.mode != "embed":
+        return None
+    try:
+        texts, source = sample_texts(spec)
+        if _known(spec, verdict_key(spec, texts)) is not None:
+            return None
+        say(f"Eval gate: no verdict here on this sample yet; measuring {1 + len(candidate_models(spec))} models on "
+            f"{len(texts)} rows before the prediction")
+        timeline.mark(GATE_FIRST[0])
+        report = evaluate(spec, texts, source)
+        timeline.mark(GATE_FIRST[1])
+        say(report.message())
+        timeline.forget("engine_start", "engine_ready")  # the gate's models'; the corpus's engine marks its own
+        return report
+    except Exception as exc:  # noqa: BLE001 - bad input or an engine that cannot start: the flow reports it
+        log.warning("the eval gate before the prediction failed: %s", exc)
+        log.debug("gate before the prediction", exc_info=True)
+        timeline.forget(*GATE_FIRST)
+        return None
+
+
 def known_verdict(spec: JobSpec) -> GateReport | None:
     """The verdict evaluate() would return without measuring, or None where it would measure: this machine's
     earlier verdict on this job's sample (read from the corpus), models and thresholds. No engine starts

@@ -76,8 +76,8 @@ from tokenmill.engine_choice import (
 )
 from tokenmill.digest import stable_digest
 from tokenmill.json_store import read_json, rewrite_json
-from tokenmill.gate import (GATE_CACHE_VERSION, UNTIMED_PASS_MODE, GateReport, candidate_models, chosen_model, job_for,
-                            known_verdict, last_verdict_elsewhere, model_label, pick_cheapest)
+from tokenmill.gate import (GATE_CACHE_VERSION, GATE_FIRST, UNTIMED_PASS_MODE, GateReport, candidate_models, chosen_model,
+                            job_for, known_verdict, last_verdict_elsewhere, model_label, pick_cheapest)
 from tokenmill.models import resolve_model
 from tokenmill.onnx_models import MADE_SPANS, cpu_flags, int8_isa, made_seconds, model_folder, onnx_steps
 from tokenmill.openvino_engine import calibration
@@ -369,6 +369,9 @@ MODEL_PROBE = "MiniLM-shaped float32 tokens/s a core"  # under machine_key(): se
 MODEL_PROBE_PART = "the machine's model probe"  # a first command's, on the main thread before it predicts: measured
 # `tokenmill run`'s, before Prefect's API starts (probe_machine): its seconds, then the API's start and the rest
 MODEL_PROBE_BEFORE_API = f"{MODEL_PROBE_PART} first"  # reads "the machine's model probe first 3.0 s, ...; then API ..."
+# the demo's sample corpus, written before the API starts where the run's gate reads it first (tokenmill.gate.judge_first)
+SAMPLE_WRITTEN_BEFORE_API = "writing the sample corpus first"
+BEFORE_API = (MODEL_PROBE_BEFORE_API, SAMPLE_WRITTEN_BEFORE_API)  # main_thread_parts' parts before the API starts
 # The transformers engine's float32 MiniLM tokens/s in whole runs over the model probe's tokens/s a core times
 # the cores (tokenmill.device.model_tokens_per_s), on a CPU no run has measured. On a 2-core AMD EPYC with AVX-512
 # VNNI (2026-12-02) the probe read 2,670-3,350 tokens/s a core (median ~2,950) and the engine's whole runs of the
@@ -1312,8 +1315,8 @@ def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
                        api_created: bool = False) -> Part:
     """Prefect's API starts in its own process beside the main thread's work (the flow's imports, this
     prediction, and the parts of it measured apart, `apart`: (name, seconds, source) each, see
-    main_thread_parts; but for MODEL_PROBE_BEFORE_API, a first `tokenmill run`'s probe, whose seconds come before
-    the API starts) and the engine's start (`engine_start`: the start it overlaps; 0 when a trial runs
+    main_thread_parts; but for BEFORE_API's, a first `tokenmill run`'s probe and a gated run's sample corpus, whose
+    seconds come before the API starts) and the engine's start (`engine_start`: the start it overlaps; 0 when a trial runs
     first, which waits for the API), then the flow starts: what of it the engine's start does not hide.
     alone: no engine starts beside the API (MAIN_ALONE); api_created: the API creates its database first
     (API_CREATED)."""
@@ -1342,8 +1345,8 @@ def orchestration_part(parts: dict[str, Any], key: str, engine_start: float,
             "seconds": main["seconds"] + DEFAULT_ALONE_EXTRA * factor, "source": (
                 f"{main['source']}, + {DEFAULT_ALONE_EXTRA:g} s{speed} (default: never measured here with no engine "
                 "starting beside it)")}
-    first = [(name, sec, why) for name, sec, why in apart if name == MODEL_PROBE_BEFORE_API]
-    beside = [(name, sec, why) for name, sec, why in apart if name != MODEL_PROBE_BEFORE_API]
+    first = [(name, sec, why) for name, sec, why in apart if name in BEFORE_API]
+    beside = [(name, sec, why) for name, sec, why in apart if name not in BEFORE_API]
     thread = main["seconds"] + sum(seconds for _, seconds, _ in beside)
     before = sum(seconds for _, seconds, _ in first)
     seconds = before + max(api["seconds"], thread + engine_start) - engine_start + flow["seconds"]
@@ -1369,7 +1372,9 @@ def main_thread_parts(spec: JobSpec, sample: JobSample, parts: dict[str, Any],
     marks = timeline.marks()
     written = _span(marks, "sample_corpus_start", "sample_corpus_written")
     if written and timeline.measures_process():
-        out.append(("writing the sample corpus", written, "this process wrote it before it predicted, measured"))
+        first = marks["sample_corpus_written"] <= marks.get("api_start", math.inf)  # for the gate that reads it first
+        out.append((SAMPLE_WRITTEN_BEFORE_API if first else "writing the sample corpus", written,
+                    f"this process wrote it before it predicted{', before the API started' if first else ''}, measured"))
     modelled = _span(marks, "model_probe_start", "model_probe_done")
     if modelled and timeline.measures_process() and marks.get("cli_ready", math.inf) <= marks["model_probe_start"]:
         # a run's (tokenmill.cli marks cli_ready in `run` only): a plan or a calibration that probed predicts a run
@@ -1771,7 +1776,9 @@ def predict_gated(spec: JobSpec) -> Prediction:
     at them), with what the reference would take instead (the part says which). Where the gate measures, the
     whole process on each model it may pick too (Prediction.branches), from the same figures: make run's gate on a
     2-core EPYC without VNNI failed both int8 candidates on the sample corpus (top-10 overlap 0.896 against 0.90)
-    and the reference ran, 352 s against the 227 s predicted on ONNX Runtime's int8 and 327 s on the reference."""
+    and the reference ran, 352 s against the 227 s predicted on ONNX Runtime's int8 and 327 s on the reference:
+    so `tokenmill run` measures an embedding gate before it predicts (gate_ran_first, gate_first_part)."""
+    first = gate_ran_first()
     verdict = known_verdict(spec)
     elsewhere = last_verdict_elsewhere(spec) if verdict is None else None
     picks = verdict or elsewhere
@@ -1786,17 +1793,19 @@ def predict_gated(spec: JobSpec) -> Prediction:
         if picked != model:  # another model's sample: its row cache's share is its own
             model, corpus = picked, job_for(spec, picked)
             sample = job_sample(corpus)
-    if verdict is None:
-        sample = sample.model_copy(update={"gate_kept": gate_kept_rows(spec, corpus, sample)})
+    if verdict is None or first:  # its sample rows in the row cache (this process's gate's: job_sample's share
+        sample = sample.model_copy(update={"gate_kept": gate_kept_rows(spec, corpus, sample)})  # read them or not)
     rate = kept_rate(picks, "its gate's sample" if verdict is not None else "this gate's sample of another corpus")
     out = predict(corpus, sample, parts, engine_trials(corpus), early_start=False, gate_rate=rate,
-                  gate_makes=verdict is None)
+                  gate_makes=verdict is None or bool(first))
     gate = gate_part(spec, corpus, verdict, elsewhere, sample, parts)
+    if first and verdict is not None:
+        gate = gate_first_part(first, gate)
     last = candidate_models(spec)[-1]
 
     def whole(run: Prediction, on: ModelSpec) -> Prediction:
         rest = run.parts[2:]
-        if verdict is None and on == last:  # gate.measure leaves its last model's engine open
+        if (verdict is None or first) and on == last:  # gate.measure leaves its last model's engine open
             rest = [Part(name="engine start", seconds=0.0, source=f"{on.engine}: kept open from the gate, its last "
                          "model") if p.name == "engine start" else p for p in rest]
         return run.model_copy(update={"parts": [*run.parts[:2], gate, *rest]})
@@ -1816,6 +1825,28 @@ def predict_gated(spec: JobSpec) -> Prediction:
         assumed_run = whole(out, model)  # with the gate part that says so
     _gate_keys[_job_key(spec)] = gate_key(spec)
     return assumed_run.model_copy(update={"branches": branches, "assumed": branch_key(model) if branches else ""})
+
+
+def gate_ran_first() -> float:
+    """The seconds of the eval gate this process measured before it predicted (tokenmill.gate.judge_first: a
+    `tokenmill run`'s, between the command's start and its prediction); 0 where it did not. Its verdict is then
+    kept here, and `plan` and `calibrate`, which measure no gate, predict from it, as from one `tokenmill gate`
+    kept; before any, from the cheapest candidate assumed to pass (predict_gated)."""
+    marks = timeline.marks()
+    if not timeline.measures_process() or not marks.get("cli_ready", math.inf) <= marks.get(GATE_FIRST[0], 0.0):
+        return 0.0
+    return _span(marks, *GATE_FIRST)
+
+
+def gate_first_part(seconds: float, kept: Part) -> Part:
+    """The eval gate of a run that measured it before its prediction: those seconds, measured (the models it
+    made within them), and the flow's gate after them, which finds that verdict kept (`kept`: gate_part's)."""
+    marks = timeline.marks()
+    made = _made_within(marks, *GATE_FIRST)
+    making = f", {made:.1f} s of it making the models not made here yet" if made >= 0.05 else ""
+    return Part(name="eval gate", seconds=seconds + kept.seconds, source=(
+        f"{seconds:.1f} s before this prediction, no verdict here on this sample yet: every model measured on it "
+        f"(tokenmill.gate.judge_first), measured{making}; then the flow's gate {kept.seconds:.1f} s, {kept.source}"))
 
 
 def branch_key(model: ModelSpec) -> str:
@@ -1981,7 +2012,7 @@ def measured_parts(spec: JobSpec, engine: str, metrics: dict[str, float], engine
     fixed = _process_parts(marks, trials_ran, trials + waited + early)
     out = {fixed_key(spec, engine): fixed, **_machine_parts(spec, marks, alone=_no_engine_before(marks, trials_ran))}
     gate = _span(marks, "gate_start", "gate_verdict_kept" if "gate_verdict_kept" in marks else "gate_measured")
-    if gate:
+    if gate or _before_prediction(marks, *GATE_FIRST):
         out.update(_gate_parts(spec, marks, gate_samples))
     if "first_engine_call" not in marks:  # every shard finished before: the process's parts, no engine's
         if shards_finished and "shards_start" in marks and "shards_done" in marks:
@@ -2028,7 +2059,8 @@ def _process_parts(marks: dict[str, float], trials_ran: bool, elsewhere: float) 
     no engine starting beside it, apart too (MAIN_ALONE; in the machine's first run, MAIN_FIRST_ALONE)."""
     main = (_span(marks, "cli_ready", "tracking_warm") - elsewhere - _reading(marks) - _tracking(marks)[1]
             - _span(marks, "sample_corpus_start", "sample_corpus_written")
-            - _span(marks, "answer_probe_start", "answer_probe_done") - _model_probe(marks))
+            - _span(marks, "answer_probe_start", "answer_probe_done") - _model_probe(marks)
+            - _before_prediction(marks, *GATE_FIRST))
     api = {} if "api_store_created" in marks else {"orchestrator API": _span(marks, "api_start", "api_ready")}
     return {"python imports": _span(marks, "process", "cli_ready"), **api,
             (MAIN_BESIDE_TRIAL if trials_ran else MAIN if not _no_engine_before(marks, trials_ran)
@@ -2109,13 +2141,19 @@ def _reading(marks: dict[str, float]) -> float:
 
 def _gate_parts(spec: JobSpec, marks: dict[str, float], gate_samples: float | None) -> dict[str, dict[str, float]]:
     """The eval gate's seconds (flows/batch.py marks its span), under the key its prediction read; without
-    the models it made once per machine; and, where it measured, its seconds besides its models' samples."""
-    kept = "gate_verdict_kept" in marks
-    end = "gate_verdict_kept" if kept else "gate_measured"
-    gate = max(_span(marks, "gate_start", end) - _made_within(marks, "gate_start", end), 0.0)
-    parts = {GATE_KEPT: gate} if kept else {GATE_MEASURED: gate}
-    if not kept and gate_samples is not None:  # the models' starts, the metrics
-        parts[GATE_BESIDES] = gate - gate_samples
+    the models it made once per machine; and, where it measured, its seconds besides its models' samples.
+    A run that measured its gate before its prediction (GATE_FIRST): that gate's, and its flow's, which found
+    the verdict kept."""
+    parts: dict[str, float] = {}
+    if "gate_start" in marks:
+        kept = "gate_verdict_kept" in marks
+        end = "gate_verdict_kept" if kept else "gate_measured"
+        parts[GATE_KEPT if kept else GATE_MEASURED] = max(_span(marks, "gate_start", end)
+                                                          - _made_within(marks, "gate_start", end), 0.0)
+    if _before_prediction(marks, *GATE_FIRST):
+        parts[GATE_MEASURED] = max(_span(marks, *GATE_FIRST) - _made_within(marks, *GATE_FIRST), 0.0)
+    if GATE_MEASURED in parts and gate_samples is not None:  # the models' starts, the metrics
+        parts[GATE_BESIDES] = parts[GATE_MEASURED] - gate_samples
     return {_gate_keys.get(_job_key(spec)) or gate_key(spec): parts}
 
 
@@ -2190,7 +2228,8 @@ def remember_run(spec: JobSpec, engine: str, metrics: dict[str, float], engine_r
     marks = timeline.marks()  # the flow forgets them when it ends (timeline.reset)
     if timeline.measures_process() and "cli_ready" in marks and "record_started" in marks:
         opened = trials_ran or any(m in marks for m in ("engine_start", "early_engine_start", "answer_probe_start"))
-        name = GATE_EXIT if "gate_measured" in marks else "exit" if opened else IDLE_EXIT
+        measured = "gate_measured" in marks or GATE_FIRST[1] in marks  # its models' engines open to the exit
+        name = GATE_EXIT if measured else "exit" if opened else IDLE_EXIT
         _exit_from[:] = [(fixed_key(spec, engine), marks["record_started"], name)]
 
 
