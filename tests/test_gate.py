@@ -307,6 +307,7 @@ def test_embed_gate_use_reference_runs_the_corpus_with_the_reference_measured_be
     then names the model the corpus runs on, the reference; the next run finds the verdict kept."""
     import json
     import os
+    import re
     import subprocess
     import sys
 
@@ -342,7 +343,11 @@ def test_embed_gate_use_reference_runs_the_corpus_with_the_reference_measured_be
         record["metrics.predicted_wall_seconds_as_gated"])  # predicted on the model that ran: no other branch
     # its seconds stored as a measuring gate's, for the next prediction of a gate of these models
     stored = json.loads((tmp_path / "cache" / "run-parts.json").read_text())
-    assert any(v.get("gate") for k, v in stored.items() if "|gate|" in k)
+    gate_parts = next(v for k, v in stored.items() if "|gate|" in k)
+    assert gate_parts["gate"] and gate_parts["gate, verdict kept"]  # measured before, found kept in the flow
+    # the job's wall (its cost) holds its gate, as when the gate runs in the flow
+    before = float(re.search(r"eval gate [\d.]+ s \(([\d.]+) s before this prediction", lines[predicted]).group(1))
+    assert record["metrics.wall_seconds"] > before + record["metrics.engine_seconds"]
     # the corpus really ran on the reference: its vectors match the reference model's
     from sentence_transformers import SentenceTransformer
 

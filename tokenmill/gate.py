@@ -363,12 +363,13 @@ def judge_first(spec: JobSpec, say=log.info) -> GateReport | None:
     if spec.gate is None or spec.mode != "embed":
         return None
     try:
+        timeline.mark(GATE_FIRST[0])  # its sample's reading too, as the flow's gate counts it
         texts, source = sample_texts(spec)
         if _known(spec, verdict_key(spec, texts)) is not None:
+            timeline.forget(GATE_FIRST[0])  # the flow's gate reads it kept, and is timed there
             return None
         say(f"Eval gate: no verdict here on this sample yet; measuring {1 + len(candidate_models(spec))} models on "
             f"{len(texts)} rows before the prediction")
-        timeline.mark(GATE_FIRST[0])
         report = evaluate(spec, texts, source)
         timeline.mark(GATE_FIRST[1])
         say(report.message())
@@ -377,7 +378,7 @@ def judge_first(spec: JobSpec, say=log.info) -> GateReport | None:
     except Exception as exc:  # noqa: BLE001 - bad input or an engine that cannot start: the flow reports it
         log.warning("the eval gate before the prediction failed: %s", exc)
         log.debug("gate before the prediction", exc_info=True)
-        timeline.forget(*GATE_FIRST)
+        timeline.forget(*GATE_FIRST, "engine_start", "engine_ready")  # the flow's gate measures again
         return None
 
 

@@ -1793,8 +1793,8 @@ def predict_gated(spec: JobSpec) -> Prediction:
         if picked != model:  # another model's sample: its row cache's share is its own
             model, corpus = picked, job_for(spec, picked)
             sample = job_sample(corpus)
-    if verdict is None or first:  # its sample rows in the row cache (this process's gate's: job_sample's share
-        sample = sample.model_copy(update={"gate_kept": gate_kept_rows(spec, corpus, sample)})  # read them or not)
+    if verdict is None:  # a gate measured before this prediction kept its rows already: the row cache's share counts
+        sample = sample.model_copy(update={"gate_kept": gate_kept_rows(spec, corpus, sample)})  # them (job_sample)
     rate = kept_rate(picks, "its gate's sample" if verdict is not None else "this gate's sample of another corpus")
     out = predict(corpus, sample, parts, engine_trials(corpus), early_start=False, gate_rate=rate,
                   gate_makes=verdict is None or bool(first))
