@@ -348,8 +348,8 @@ GATE_FIRST = ("gate_first_start", "gate_first_done")  # timeline marks of a run'
 def judge_first(spec: JobSpec, say=log.info) -> GateReport | None:
     """`tokenmill run`'s eval gate before its prediction, where this machine has no verdict on an embedding
     job's sample yet: evaluate() measures every model and keeps the verdict, the prediction then reads which
-    model the corpus runs on and that model's rate on the sample, and the flow's gate finds the verdict kept
-    (its tasks and artifact in the flow run as ever, no engine started). Before it, a first gated run was
+    model the corpus runs on and that model's rate on the sample, and the job's own gate step finds the
+    verdict kept (no engine started). Before it, a first gated run was
     predicted on the cheapest candidate as if it passed: on 2-core EPYCs without VNNI `make run`'s gate
     failed both int8 candidates on the demo's sample (top-10 overlap 0.893-0.898 against 0.90) in three
     sessions, and the corpus ran on the reference, 352 s against 227 s predicted and 388 s against 237
