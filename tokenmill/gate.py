@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
+from tokenmill import timeline
 from tokenmill.bucketing import plan_batches, restore_order
 from tokenmill.call_costs import CallCost
 from tokenmill.economics import RunCost
@@ -358,8 +359,6 @@ def judge_first(spec: JobSpec, say=log.info) -> GateReport | None:
     forgotten, as the flow's gate forgets them. None where it did not measure: a verdict kept, a generation
     gate (its models measured in the flow as before), or a failure (logged; the flow's gate meets it and
     reports it on the job's record). `say`: where its two lines go (the command prints them)."""
-    from tokenmill import timeline
-
     if spec.gate is None or spec.mode != "embed":
         return None
     try:
