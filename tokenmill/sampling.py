@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from tokenmill.digest import stable_digest
 from tokenmill.errors import InputError
 from tokenmill.prompts import prompt_inputs, read_job_rows
 from tokenmill.shards import discover_shards_for
@@ -33,9 +34,31 @@ def corpus_samples(spec: JobSpec, sizes: list[int], seed: int = 0) -> tuple[list
     return [[pool[i][1] for i in pick] for pick in picks], picks
 
 
+# The pools this process read last, by what decides them (the files' identities and the job's fields that read
+# them): a gated `tokenmill run` reads its gate's sample for the gate before its prediction
+# (tokenmill.gate.judge_first), for the prediction (known_verdict) and in its flow's gate, three reads of the same
+# rows where one does; a file rewritten since (its size, mtime or etag) is read again. Two kept (the gate's sample
+# and the engine trials' and prediction's length sample, at most 4 x 2,048 rows).
+_POOLS: dict[str, list[tuple[str, Any]]] = {}
+POOLS_KEPT = 2
+READ_BY = {"format", "openai_batch", "id_column", "text_column", "mode", "model", "generation", "overlong",
+           "storage_options"}  # the job's fields its rows' reading and validation depend on (read_job_rows)
+
+
 def _pool(spec: JobSpec, source: str, limit: int | None) -> list[tuple[str, Any]]:
-    """(id, text) of the source's valid rows, in shard order: its first `limit` (all of them: None)."""
+    """(id, text) of the source's valid rows, in shard order: its first `limit` (all of them: None); from
+    _POOLS where this process read the same files the same way."""
     shards = discover_shards_for(spec, source)
+    key = stable_digest({"source": source, "limit": limit, "shards": [s.model_dump(mode="json") for s in shards],
+                         "read": spec.model_dump(mode="json", include=READ_BY)})
+    if key not in _POOLS:
+        _POOLS[key] = _read_pool(spec, source, shards, limit)
+        while len(_POOLS) > POOLS_KEPT:
+            _POOLS.pop(next(iter(_POOLS)))
+    return _POOLS[key]
+
+
+def _read_pool(spec: JobSpec, source: str, shards: list, limit: int | None) -> list[tuple[str, Any]]:
     pool: list[tuple[str, Any]] = []
     # the columns prompts are made of; a row is its text, or a mapping for encode_rows (see prompt_inputs)
     job = spec.model_copy(update={"passthrough_columns": []})
