@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
+from tokenmill import prediction
 from tokenmill.engines import engine_scope
 from tokenmill.errors import TokenmillError
 from tokenmill.gate import GateReport
@@ -34,8 +35,11 @@ def run_gate(spec: PrefectJob, record: bool = True) -> GateReport:
     logger = get_run_logger()
     texts, source = gate_sample_task(spec)
     report = gate_evaluate_task(spec, texts, source)
-    create_table_artifact(report.table(), key="tokenmill-gate", description=report.message())
-    (logger.info if report.action == "candidate" else logger.warning)("%s", report.message())
+    # a verdict this run measured before its prediction (tokenmill.gate.judge_first) is kept by the time this gate
+    # reads it: shown as measured, not as "verdict cached", which a reader takes for an earlier run's
+    shown = report.model_copy(update={"cached": False}) if report.cached and prediction.gate_ran_first() else report
+    create_table_artifact(shown.table(), key="tokenmill-gate", description=shown.message())
+    (logger.info if report.action == "candidate" else logger.warning)("%s", shown.message())
     if record:
         log_gate_run(spec, report)
     if report.action == "fail" and record:

@@ -320,13 +320,17 @@ def test_embed_gate_use_reference_runs_the_corpus_with_the_reference_measured_be
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / ".prefect"), TOKENMILL_CACHE_DIR=str(tmp_path / "cache"))
 
+    logs = []
+
     def run() -> list[str]:
         done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "run", "--config", str(tmp_path / "job.yaml"),
                                "--no-progress"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
+        logs.append(done.stdout + done.stderr)
         return done.stdout.splitlines()
 
     lines = run()
+    assert "eval gate FAILED" in logs[0] and "verdict cached" not in logs[0]  # the flow's gate: measured by this run
     measuring = lines.index("Eval gate: no verdict here on this sample yet; measuring 2 models on 64 rows before the "
                             "prediction")
     failed = next(i for i, line in enumerate(lines) if line.startswith("eval gate FAILED on 64 rows"))
@@ -360,6 +364,7 @@ def test_embed_gate_use_reference_runs_the_corpus_with_the_reference_measured_be
     assert (ours * expected).sum(1).min() > 0.999
     again = run()  # the verdict kept: no gate before the prediction
     assert not any(line.startswith("Eval gate:") for line in again)
+    assert "verdict cached" in logs[1]  # kept by the run before
     assert "before this prediction" not in next(line for line in again if line.startswith("predicted wall"))
 
 
