@@ -87,7 +87,8 @@ def log_seconds(log: str) -> dict:
         return dt.datetime.strptime(found.group(1), "%m-%d %H:%M:%S") if found else None
     asked, resolved = stamp("non-default args"), stamp("Resolved architecture")
     warm = re.search(r"warmup model\) took ([0-9.]+) s", log)
-    return {"inspect_s": (resolved - asked).total_seconds() if asked and resolved else None,
+    # stamps carry no year: a start across midnight is still its seconds
+    return {"inspect_s": (resolved - asked).total_seconds() % 86400 if asked and resolved else None,
             "warmup_s": float(warm.group(1)) if warm else None}
 
 
@@ -115,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="loading starts per model after its compiling one")
     args = parser.parse_args(argv)
-    from tokenmill.device import core_gflops, usable_cores
-    from tokenmill.prediction import DEFAULT_GFLOPS, DEFAULT_INTERPRETER_MS, machine_speed
+    from tokenmill.device import core_gflops, interpreter_ms, usable_cores
+    from tokenmill.prediction import (DEFAULT_ENGINE_START, DEFAULT_GFLOPS, DEFAULT_INTERPRETER_MS,
+                                      DEFAULT_VLLM_COMPILE, machine_speed)
 
     info, (speed, said) = machine(), machine_speed()
     if not said:  # nothing stored on this machine yet: the interpreter probe alone, as a first command's
-        from tokenmill.device import interpreter_ms
         probe = min(interpreter_ms() for _ in range(5))
         speed, said = probe / DEFAULT_INTERPRETER_MS, (f" x {probe / DEFAULT_INTERPRETER_MS:.2f} (the interpreter "
                                                         f"probe here, {probe:.1f} ms, against {DEFAULT_INTERPRETER_MS:g})")
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                 if index == 0:
                     kernels = kernels_compiled(caches)
                     print(kernels, flush=True)
-            summary += [compile_line(name, mode, starts, kernels, speed)]
+            defaults = (DEFAULT_ENGINE_START[("vllm", mode)] * speed, DEFAULT_VLLM_COMPILE[mode] * speed)
+            summary += [compile_line(name, mode, starts, kernels, speed, defaults)]
     cores = usable_cores()
     lines = header("vLLM's starts: compiling against loading", "python -m bench.vllm_starts", info, notes=[
         f"- **Compute probe** (tokenmill.device.core_gflops, one core's float32 products, 5 probes): "
@@ -159,10 +161,10 @@ def seconds(value: float | None) -> str:
     return "" if value is None else f"{value:.1f}"
 
 
-def compile_line(name: str, mode: str, starts: list[dict], kernels: dict, speed: float) -> str:
-    """What a model's first start spent beyond its loading starts' median, and where it went."""
-    from tokenmill.prediction import DEFAULT_ENGINE_START, DEFAULT_VLLM_COMPILE
-
+def compile_line(name: str, mode: str, starts: list[dict], kernels: dict, speed: float,
+                 defaults: tuple[float, float]) -> str:
+    """What a model's first start spent beyond its loading starts' median, and where it went; `defaults`:
+    tokenmill's load and compile seconds for it at this machine's speed."""
     first, later = starts[0], [s for s in starts[1:] if not s["compiled"]]
     if not later:
         return f"- {name} ({mode}): compiling start {first['start_s']:.1f} s; no loading start to set it against"
@@ -176,8 +178,7 @@ def compile_line(name: str, mode: str, starts: list[dict], kernels: dict, speed:
     return (f"- {name} ({mode}): compiling start {first['start_s']:.1f} s, loading starts {min(loads):.1f}-"
             f"{max(loads):.1f} s: the compile {extra['start_s']:.1f} s ({extra['start_s'] / speed:.1f} s at "
             f"speed 1), of it {', '.join(part for part in parts if part)} (tokenmill's defaults at this machine's "
-            f"speed: load {DEFAULT_ENGINE_START[('vllm', mode)] * speed:.1f} s, compile "
-            f"{DEFAULT_VLLM_COMPILE[mode] * speed:.1f} s)")
+            f"speed: load {defaults[0]:.1f} s, compile {defaults[1]:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from tokenmill import call_costs, prediction, progress, timeline
 from tokenmill.engines import engine_scope
 from tokenmill.flows.fleet import dispatch_to_pool
-from tokenmill.flows.gate import GateFailed, run_gate
+from tokenmill.flows.gate import GateFailed, as_measured_here, run_gate
 from tokenmill.gate import chosen_model
 from tokenmill.results import ShardResult
 from tokenmill.shards import ShardSpec
@@ -49,8 +49,7 @@ def batch_flow(spec: PrefectJob) -> JobRecord:
             timeline.mark("gate_start")  # tokenmill.prediction: the gate's seconds, apart from the flow's start
             gate_report = run_gate(spec, record=False)  # its tasks in this flow run, not a subflow's
             timeline.mark("gate_verdict_kept" if gate_report.cached else "gate_measured")
-            if gate_report.cached and prediction.gate_ran_first():  # measured by this run, before its prediction
-                gate_report = gate_report.model_copy(update={"cached": False})  # (tokenmill.gate.judge_first)
+            gate_report = as_measured_here(gate_report)
             timeline.forget("engine_start", "engine_ready")  # the gate's engines'; the corpus's marks its own
             if gate_report.action == "fail":
                 log_gate_run(spec, gate_report)

@@ -35,9 +35,7 @@ def run_gate(spec: PrefectJob, record: bool = True) -> GateReport:
     logger = get_run_logger()
     texts, source = gate_sample_task(spec)
     report = gate_evaluate_task(spec, texts, source)
-    # a verdict this run measured before its prediction (tokenmill.gate.judge_first) is kept by the time this gate
-    # reads it: shown as measured, not as "verdict cached", which a reader takes for an earlier run's
-    shown = report.model_copy(update={"cached": False}) if report.cached and prediction.gate_ran_first() else report
+    shown = as_measured_here(report)
     create_table_artifact(shown.table(), key="tokenmill-gate", description=shown.message())
     (logger.info if report.action == "candidate" else logger.warning)("%s", shown.message())
     if record:
@@ -45,3 +43,10 @@ def run_gate(spec: PrefectJob, record: bool = True) -> GateReport:
     if report.action == "fail" and record:
         raise GateFailed(report.message())
     return report
+
+
+def as_measured_here(report: GateReport) -> GateReport:
+    """The report as its reader should see it: a verdict this run measured before its prediction
+    (tokenmill.gate.judge_first) is kept by the time the flow's gate reads it, and is shown (artifact, log, the
+    job's record) as measured, not as "verdict cached", which a reader takes for an earlier run's."""
+    return report.model_copy(update={"cached": False}) if report.cached and prediction.gate_ran_first() else report
