@@ -217,6 +217,9 @@ def nothing_left_to_run(spec: JobSpec, shards) -> bool:
     return len(finished_shards(spec, shards)) == len(shards)
 
 
+EARLY_START = "while the orchestrator started"  # the end of the line a run prints when it starts its engine early
+
+
 def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
     """The engine this job will run on, started now (for `auto`, chosen now: cached trials cost
     a second, a first trial runs here). Only for a job that runs here without a gate (a gate may
@@ -242,7 +245,10 @@ def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
             choose_engine(spec, job_rows=estimate_rows(spec, shards))
         job = resolve_job(spec)  # as the shards will resolve it: the engine they ask for is this one
         timeline.mark("early_engine_start")  # tokenmill.prediction: the main thread's parts, apart
-        get_engine(job.model_path, job.spec)
+        engine = get_engine(job.model_path, job.spec)
         timeline.mark("early_engine_ready")
+        # one line whatever the engine (vLLM logs its own start; transformers, ONNX Runtime and OpenVINO log theirs
+        # only inside a task): a user sees that this run started one, and a finished job's rerun shows none
+        print(f"Started the {job.spec.model.engine} engine in {engine.start_seconds:.1f} s, {EARLY_START}", flush=True)
     except Exception as exc:
         log.debug("early engine start skipped: %s", exc, exc_info=True)
