@@ -117,6 +117,19 @@ def _only_the_shared_engines_outlive_a_module():
         engine.close()
 
 
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One Prefect API (prefect_test_harness: a server on a temporary database) for the modules whose flows need
+    one and read nothing of it back but their own records: started once, when the first of them asks (18-23 s
+    a start on the CI host, once per module before). The modules that read the API's artifacts keep a harness of
+    their own, so that what they read is their runs'; a module that asks for neither uses the ephemeral server
+    Prefect starts once per process."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
 @pytest.fixture
 def s3_server(monkeypatch):
     from moto.server import ThreadedMotoServer

@@ -5,7 +5,6 @@ import json
 import mlflow
 import pytest
 import yaml
-from prefect.testing.utilities import prefect_test_harness
 
 from tokenmill.sample_corpus import write_sample_corpus
 
@@ -13,9 +12,8 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module", autouse=True)
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+def prefect_server(prefect_api):  # the session's API (tests/conftest.py)
+    yield
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import mlflow
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 from pydantic import ValidationError
 
 from conftest import TEXTS
@@ -108,9 +107,8 @@ def test_int8_is_calibrated_on_the_jobs_rows_made_once_and_stays_close_to_senten
 
 
 @pytest.fixture(scope="module")
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+def prefect_server(prefect_api):  # the session's API (tests/conftest.py)
+    yield
 
 
 def test_the_gate_passes_openvino_int8_against_float32_and_the_job_runs_it(

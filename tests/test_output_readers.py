@@ -22,7 +22,6 @@ import polars as pl
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from conftest import write_parquet
 from tokenmill.flows.batch import batch_flow
@@ -33,9 +32,8 @@ MODEL = {"name": "all-MiniLM-L6-v2", "engine": "transformers"}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+def prefect_server(prefect_api):  # the session's API (tests/conftest.py)
+    yield
 
 
 def a_ids():

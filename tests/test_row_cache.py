@@ -19,7 +19,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from conftest import write_parquet
 from tokenmill import row_cache
@@ -398,12 +397,6 @@ def test_the_plan_counts_only_the_tokens_still_to_compute(tmp_path):
 
 
 # --- real engines in real flows -----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
 
 def flow_spec(tmp_path, corpus: Path, output: str, **fields):
     from tokenmill.tasks.job import PrefectJob

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
-from prefect.testing.utilities import prefect_test_harness
 
 from conftest import write_parquet
 from tokenmill.spec import JobSpec
@@ -182,9 +181,8 @@ def test_a_run_from_another_machine_is_closed_only_once_its_heartbeat_is_stale(t
 
 
 @pytest.fixture(scope="module")
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+def prefect_server(prefect_api):  # the session's API (tests/conftest.py)
+    yield
 
 
 def _corpus(root: Path, files: int = 1, rows: int = 60, row_group_size: int = 20) -> list[str]:
