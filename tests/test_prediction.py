@@ -13,14 +13,14 @@ import time
 import pytest
 import yaml
 
-from tests.conftest import TEXTS, write_parquet
+from tests.conftest import TEXTS, assert_clean_exit, write_parquet
 
 
 def tokenmill(*args, cwd, cache):
     env = dict(os.environ, PREFECT_HOME=str(cwd / ".prefect"), TOKENMILL_CACHE_DIR=str(cache))
     done = subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_clean_exit(done, f"tokenmill {args[0]}")
     return done.stdout
 
 
