@@ -120,14 +120,29 @@ def _only_the_shared_engines_outlive_a_module():
 @pytest.fixture(scope="session")
 def prefect_api():
     """One Prefect API (prefect_test_harness: a server on a temporary database) for the modules whose flows need
-    one and read nothing of it back but their own records: started once, when the first of them asks (18-23 s
-    a start on the CI host, once per module before). The modules that read the API's artifacts keep a harness of
-    their own, so that what they read is their runs'; a module that asks for neither uses the ephemeral server
-    Prefect starts once per process."""
+    one: started once, when the first of them asks (18-23 s a start on the CI host, once per module before). What
+    a test reads back of it is its own flow run's (flow_run_artifacts); a module that asks for none uses the
+    ephemeral server Prefect starts once per process."""
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+def flow_run_artifacts(flow_run_id) -> dict[str, object]:
+    """The Prefect artifacts one flow run made (key: data), read from the API it ran on: its own, not those of the
+    other runs the API holds (the session's API serves several modules)."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+
+    return {artifact.key: artifact.data for artifact in asyncio.run(read())}
 
 
 @pytest.fixture

@@ -4,17 +4,15 @@ Real parts only: MiniLM exported to ONNX and quantized by ONNX Runtime here, sen
 reference's own library, a real Prefect flow and MLflow store. No vLLM engine starts in this module.
 """
 
-import asyncio
 
 import mlflow
 import numpy as np
 import onnx
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 from pydantic import ValidationError
 
-from conftest import TEXTS
+from conftest import TEXTS, flow_run_artifacts
 from tokenmill import onnx_models
 from tokenmill.models import resolve_model
 from tokenmill.onnx_models import RECIPES, int8_isa, onnx_model, recipe
@@ -127,9 +125,8 @@ def test_the_onnx_engine_matches_sentence_transformers_in_float32_and_int8_stays
 # --- the gate as a ladder, in a real flow ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+def prefect_server(prefect_api):  # the session's API (tests/conftest.py)
+    yield
 
 
 @pytest.fixture
@@ -146,7 +143,8 @@ def test_the_ladder_runs_the_cheapest_candidate_that_passes_and_records_every_ru
 
     spec = embed_spec(corpus, model=REFERENCE, gate={"reference": REFERENCE, "sample_rows": 128,  # whatever it
                                                      "candidates": [INT4, INT8_PARTIAL], "min_saving": None})  # costs
-    record = batch_flow(spec)
+    state = batch_flow(spec, return_state=True)
+    record = state.result()
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
     run = mlflow.get_run(record.mlflow_run_id)
     params, metrics = run.data.params, run.data.metrics
@@ -158,8 +156,7 @@ def test_the_ladder_runs_the_cheapest_candidate_that_passes_and_records_every_ru
         assert metrics[f"gate_candidate{index}_usd_per_1m_tokens"] > 0
     assert "[int4] (onnxruntime): FAIL" in record.summary and "runs the corpus" in record.summary
     assert pq.read_table(tmp_path / "out").num_rows == 160
-    keys = asyncio.run(_artifact_keys())
-    assert "tokenmill-gate" in keys
+    assert "tokenmill-gate" in flow_run_artifacts(state.state_details.flow_run_id)
 
 
 def test_a_quantization_that_loses_quality_fails_the_gate_with_its_reason_and_never_runs(
@@ -176,12 +173,6 @@ def test_a_quantization_that_loses_quality_fails_the_gate_with_its_reason_and_ne
     assert "the job stops" in str(failure.value)
     assert not list(tmp_path.glob("out/*.parquet"))  # the corpus never ran
 
-
-async def _artifact_keys():
-    from prefect.client.orchestration import get_client
-
-    async with get_client() as client:
-        return {a.key for a in await client.read_artifacts()}
 
 
 def test_a_rung_this_machine_measured_too_slow_to_be_chosen_is_not_run(models_home, tmp_path, corpus, monkeypatch):

@@ -7,9 +7,8 @@ import mlflow
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
-from conftest import write_parquet
+from conftest import flow_run_artifacts, write_parquet
 from tokenmill.errors import InputError
 from tokenmill.flows.batch import batch_flow
 
@@ -21,9 +20,8 @@ RUN_METRICS = ("rows", "input_tokens", "output_tokens", "wall_seconds", "tokens_
 
 
 @pytest.fixture(scope="module", autouse=True)
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+def prefect_server(prefect_api):  # the session's API (tests/conftest.py)
+    yield
 
 
 @pytest.fixture
@@ -47,7 +45,8 @@ def all_input_ids():
 
 def test_batch_flow_writes_outputs_rejects_manifest_and_run_record(tmp_path, corpus, embed_spec):
     spec = embed_spec(corpus, batching={"max_shard_rows": 20, "token_budget": 512})
-    record = batch_flow(spec)
+    state = batch_flow(spec, return_state=True)
+    record = state.result()
     out = tmp_path / "out"
 
     outputs = pq.read_table(out)  # readers skip _manifest.json and _rejects/
@@ -87,15 +86,8 @@ def test_batch_flow_writes_outputs_rejects_manifest_and_run_record(tmp_path, cor
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
     assert {"summary.md", "manifest.json", "padding.png"} <= artifacts
 
-    keys = asyncio.run(_artifact_keys())
+    keys = set(flow_run_artifacts(state.state_details.flow_run_id))
     assert {"tokenmill-summary", "tokenmill-shards", "tokenmill-progress"} <= keys
-
-
-async def _artifact_keys():
-    from prefect.client.orchestration import get_client
-
-    async with get_client() as client:
-        return {a.key for a in await client.read_artifacts()}
 
 
 def test_a_structural_error_fails_the_flow_naming_file_and_column(tmp_path, embed_spec):

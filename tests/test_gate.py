@@ -1,16 +1,14 @@
 """The eval gate with real models on CPU: matching candidates pass, damaged ones fail, and
 use_reference runs the corpus with the reference. Embed (MiniLM) and generate (SmolLM2)."""
 
-import asyncio
 import shutil
 
 import mlflow
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
-from conftest import TEST_EMBED_MODEL, TEST_GENERATE_MODEL, write_parquet
+from conftest import TEST_EMBED_MODEL, TEST_GENERATE_MODEL, flow_run_artifacts, write_parquet
 from tokenmill.engine_protocol import Generation
 from tokenmill.errors import ConfigError
 from tokenmill.gate import embedding_agreement, generation_agreement, neighbour_overlap, sample_texts, thresholds_for
@@ -173,9 +171,8 @@ def test_unknown_threshold_names_are_refused():
 # --- real models ----------------------------------------------------------------
 
 @pytest.fixture(scope="module", autouse=True)
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+def prefect_server(prefect_api):  # the session's API (tests/conftest.py)
+    yield
 
 
 def modified_copy(model_name: str, target, change) -> str:
@@ -264,7 +261,8 @@ def test_embed_gate_passes_a_matching_candidate_and_the_corpus_runs_with_it(tmp_
     spec = embed_spec(embed_corpus, model=TEST_EMBED_MODEL,  # candidate: the same MiniLM on vLLM
                       # whatever it costs here: this test is about quality, the fast one above about cost
                       gate={"reference": REFERENCE_EMBED, "sample_rows": 64, "min_saving": None})
-    record = batch_flow(spec)
+    state = batch_flow(spec, return_state=True)
+    record = state.result()
     mlflow.set_tracking_uri(spec.tracking.mlflow_tracking_uri)
     run = mlflow.get_run(record.mlflow_run_id)
     assert run.data.params["gate_action"] == "candidate" and run.data.params["engine"] == "vllm"
@@ -274,7 +272,7 @@ def test_embed_gate_passes_a_matching_candidate_and_the_corpus_runs_with_it(tmp_
     for role in ("reference", "candidate"):
         assert metrics[f"gate_{role}_tokens_per_s"] > 0 and metrics[f"gate_{role}_usd_per_1m_tokens"] > 0
     assert pq.read_table(tmp_path / "out").num_rows == 120
-    assert "tokenmill-gate" in asyncio.run(_artifact_keys())
+    assert "tokenmill-gate" in flow_run_artifacts(state.state_details.flow_run_id)
     # predicted before the gate ran (no verdict yet: the candidate cheapest at the defaults), held to the run
     assert metrics["predicted_wall_seconds"] > 0 and "wall_prediction_error" in metrics
 
@@ -411,11 +409,3 @@ def test_generate_gate_fails_a_damaged_model_and_use_reference_runs_the_referenc
     assert run.data.params["gate_action"] == "reference" and run.data.params["engine"] == "transformers"
     answers = pq.read_table(tmp_path / "out").to_pydict()
     assert "paris" in answers["output_text"][0].lower()  # the reference answers; the damaged one would not
-
-
-async def _artifact_keys():
-    from prefect.client.orchestration import get_client
-
-    async with get_client() as client:
-        return {a.key for a in await client.read_artifacts()}
-

@@ -4,7 +4,6 @@ a clear reason."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -14,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
-from prefect.testing.utilities import prefect_test_harness
 from pydantic import ValidationError
 
+from conftest import flow_run_artifacts
 from tokenmill.flows.batch import batch_flow
 from tokenmill.index import (
     INDEX_DIR,
@@ -35,21 +34,23 @@ from tokenmill.tasks.job import PrefectJob
 HF_MODEL = {"name": "all-MiniLM-L6-v2", "engine": "transformers", "max_input_tokens": 64}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory):
-    """One embed job with a faiss index section, run by the batch flow: (spec, its record)."""
+def embedded_run(tmp_path_factory, prefect_api):
+    """One embed job with a faiss index section, run by the batch flow on the session's API: (spec, its final
+    state)."""
     root = tmp_path_factory.mktemp("index")
     write_sample_corpus(root / "corpus", documents=300, files=2, row_group_size=100)
     spec = PrefectJob.model_validate({
         "input": str(root / "corpus"), "output": str(root / "out"), "model": HF_MODEL, "index": {"backend": "faiss"},
         "tracking": {"mlflow_tracking_uri": f"sqlite:///{root}/mlflow.db", "experiment": "tests"}})
-    return spec, batch_flow(spec)
+    return spec, batch_flow(spec, return_state=True)
+
+
+@pytest.fixture(scope="module")
+def embedded(embedded_run):
+    """That job: (spec, its record)."""
+    spec, state = embedded_run
+    return spec, state.result()
 
 
 def _copy_output(spec: JobSpec, tmp_path, **index) -> JobSpec:
@@ -77,7 +78,7 @@ def _index_folders(output: str) -> list[str]:
     return sorted(p for p in os.listdir(os.path.join(output, INDEX_DIR)) if p != "index.json")
 
 
-def test_the_flow_builds_the_index_and_records_recall_and_cost(embedded):
+def test_the_flow_builds_the_index_and_records_recall_and_cost(embedded, embedded_run):
     spec, record = embedded
     pointer = _pointer(spec.output)
     folder = pointer["folder"]
@@ -93,15 +94,7 @@ def test_the_flow_builds_the_index_and_records_recall_and_cost(embedded):
     assert 0 < metrics["index_build_share_of_embed"] < 1
     artifacts = MlflowClient(record.mlflow_tracking_uri).list_artifacts(record.mlflow_run_id)
     assert "index.md" in {a.path for a in artifacts}
-    assert "recall@10 1.000" in asyncio.run(_artifact("tokenmill-index"))
-
-
-async def _artifact(key: str) -> str:
-    from prefect.client.orchestration import get_client
-
-    async with get_client() as client:
-        (artifact,) = [a for a in await client.read_artifacts() if a.key == key][:1]
-        return artifact.data
+    assert "recall@10 1.000" in flow_run_artifacts(embedded_run[1].state_details.flow_run_id)["tokenmill-index"]
 
 
 def test_a_second_build_from_the_same_outputs_reuses_the_index(embedded):
