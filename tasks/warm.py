@@ -229,7 +229,7 @@ def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
     if getattr(spec, "storage_block", None):  # its credentials come through the API: wait for the flow
         return
     from tokenmill.engine_choice import choose_engine, trials_cached
-    from tokenmill.engines import get_engine
+    from tokenmill.engines import get_engine, is_open
     from tokenmill.planning import estimate_rows
     from tokenmill.resolution import resolve_job
     from tokenmill.shards import discover_shards_for
@@ -245,10 +245,12 @@ def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
             choose_engine(spec, job_rows=estimate_rows(spec, shards))
         job = resolve_job(spec)  # as the shards will resolve it: the engine they ask for is this one
         timeline.mark("early_engine_start")  # tokenmill.prediction: the main thread's parts, apart
+        starts = not is_open(job.model_path, job.spec)  # not where auto's trial or a caller's scope holds it open
         engine = get_engine(job.model_path, job.spec)
         timeline.mark("early_engine_ready")
-        # one line whatever the engine (vLLM logs its own start; transformers, ONNX Runtime and OpenVINO log theirs
-        # only inside a task): a user sees that this run started one, and a finished job's rerun shows none
-        print(f"Started the {job.spec.model.engine} engine in {engine.start_seconds:.1f} s, {EARLY_START}", flush=True)
+        if starts:  # one line whatever the engine (vLLM logs its own start; transformers, ONNX Runtime and OpenVINO
+            # log theirs only inside a task): a user sees that this run started one, and a finished job's rerun none
+            print(f"Started the {job.spec.model.engine} engine in {engine.start_seconds:.1f} s, {EARLY_START}",
+                  flush=True)
     except Exception as exc:
         log.debug("early engine start skipped: %s", exc, exc_info=True)

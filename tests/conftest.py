@@ -121,7 +121,8 @@ def _only_the_shared_engines_outlive_a_module():
 def prefect_api():
     """One Prefect API (prefect_test_harness: a server on a temporary database) for the modules whose flows need
     one: started once, when the first of them asks (18-23 s a start on the CI host, once per module before). What
-    a test reads back of it is its own flow run's (flow_run_artifacts); a module that asks for none uses the
+    a test reads back of it is its own flow run's (flow_run_artifacts). Flows of the modules that do not ask for it
+    run on it too once it has started (Prefect's in-process default server is the harness's), and before on the
     ephemeral server Prefect starts once per process."""
     from prefect.testing.utilities import prefect_test_harness
 

@@ -4,7 +4,6 @@ Real parts only: MiniLM exported to ONNX and quantized by ONNX Runtime here, sen
 reference's own library, a real Prefect flow and MLflow store. No vLLM engine starts in this module.
 """
 
-
 import mlflow
 import numpy as np
 import onnx
@@ -172,7 +171,6 @@ def test_a_quantization_that_loses_quality_fails_the_gate_with_its_reason_and_ne
     assert "cosine_mean = 0." in str(failure.value) and "< 0.9900 FAIL" in str(failure.value)
     assert "the job stops" in str(failure.value)
     assert not list(tmp_path.glob("out/*.parquet"))  # the corpus never ran
-
 
 
 def test_a_rung_this_machine_measured_too_slow_to_be_chosen_is_not_run(models_home, tmp_path, corpus, monkeypatch):

@@ -2,13 +2,13 @@
 
 These run as separate processes, as a user runs them: the failure they guard against
 (vLLM torn down by the interpreter's exit, aborting a job that had succeeded with exit
-134) only shows in a process that ends. `tokenmill run`'s exits on vLLM are checked where
-tests run it to its end anyway (conftest.assert_clean_exit): embedding in tests/test_resume.py
-(a resumed run; an idle rerun that opens no engine; two at once, on the transformers engine), generating in
-tests/test_openai_batch.py (a run; an idle rerun, on vLLM); `gate` on vLLM here, its reference closed mid-command.
-`calibrate` ends its vLLM engine as batch_flow does (engine_scope, checked here in a process that ends) and exits
-through the same command() as every command: its exit is checked in tests/test_prediction.py, on transformers (a
-third vLLM process here cost ~105 s of CI for that combination alone).
+134) only shows in a process that ends. Here: batch_flow on vLLM in a script that ends (embedding), and
+`tokenmill gate` with its vLLM reference closed mid-command. Elsewhere, where tests run a command to its end
+anyway (conftest.assert_clean_exit): `tokenmill run` generating on vLLM in tests/test_openai_batch.py (a run; an
+idle rerun), and on transformers in tests/test_resume.py (a killed run's resume; an idle rerun; two at once) and
+tests/test_prediction.py (with `calibrate` and `plan`). No embedding `tokenmill run` on vLLM runs to its end in a
+test, nor `calibrate` on vLLM: both end their engines by the engine_scope checked here and exit through the same
+command() as every command (a third vLLM process here, for calibrate, cost ~105 s of CI).
 """
 
 import json

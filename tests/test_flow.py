@@ -253,5 +253,7 @@ async def _stored_documents(flow_run_id) -> str:
     async with get_client() as client:
         run = await client.read_flow_run(flow_run_id)
         blocks = await client.read_block_documents(include_secrets=False)
-        state_blocks = [b for b in blocks if b.block_type and b.block_type.slug == "tokenmill-state-storage"]
+        # this job's (its bucket): the session's API holds other modules' state storage blocks too
+        state_blocks = [b for b in blocks if b.block_type and b.block_type.slug == "tokenmill-state-storage"
+                        and "block-bucket" in json.dumps(b.data, default=str)]
     return json.dumps(run.parameters, default=str) + json.dumps([b.data for b in state_blocks], default=str)
