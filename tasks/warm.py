@@ -25,6 +25,7 @@ from pathlib import Path
 import prefect
 
 from tokenmill import timeline
+from tokenmill.engine_protocol import Engine
 from tokenmill.spec import JobSpec, sqlite_file
 
 log = logging.getLogger(__name__)
@@ -217,17 +218,15 @@ def nothing_left_to_run(spec: JobSpec, shards) -> bool:
     return len(finished_shards(spec, shards)) == len(shards)
 
 
-EARLY_START = "while the orchestrator started"  # the end of the line a run prints when it starts its engine early
-
-
-def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
+def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> Engine | None:
     """The engine this job will run on, started now (for `auto`, chosen now: cached trials cost
     a second, a first trial runs here). Only for a job that runs here without a gate (a gate may
-    change the model). Failures are left for the flow to meet and report."""
+    change the model). Failures are left for the flow to meet and report. Returns the engine where this call
+    started it; None where it started none (auto's trial or a caller's engine_scope holds it open already)."""
     if spec.gate is not None or getattr(spec, "dispatch", "local") != "local":
-        return
+        return None
     if getattr(spec, "storage_block", None):  # its credentials come through the API: wait for the flow
-        return
+        return None
     from tokenmill.engine_choice import choose_engine, trials_cached
     from tokenmill.engines import get_engine, is_open
     from tokenmill.planning import estimate_rows
@@ -237,7 +236,7 @@ def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
     try:
         shards = discover_shards_for(spec)
         if nothing_left_to_run(spec, shards):
-            return
+            return None
         if spec.model.engine == "auto":
             if not trials_cached(spec):  # measured on a machine that is not busy starting the API
                 timeline.mark("api_wait")
@@ -245,12 +244,10 @@ def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> None:
             choose_engine(spec, job_rows=estimate_rows(spec, shards))
         job = resolve_job(spec)  # as the shards will resolve it: the engine they ask for is this one
         timeline.mark("early_engine_start")  # tokenmill.prediction: the main thread's parts, apart
-        starts = not is_open(job.model_path, job.spec)  # not where auto's trial or a caller's scope holds it open
+        starts = not is_open(job.model_path, job.spec)
         engine = get_engine(job.model_path, job.spec)
         timeline.mark("early_engine_ready")
-        if starts:  # one line whatever the engine (vLLM logs its own start; transformers, ONNX Runtime and OpenVINO
-            # log theirs only inside a task): a user sees that this run started one, and a finished job's rerun none
-            print(f"Started the {job.spec.model.engine} engine in {engine.start_seconds:.1f} s, {EARLY_START}",
-                  flush=True)
+        return engine if starts else None
     except Exception as exc:
         log.debug("early engine start skipped: %s", exc, exc_info=True)
+        return None

@@ -75,6 +75,8 @@ FLAG_ALIASES = {
     "deployment": "fleet.deployment",
 }
 SPEC_DEST = "spec:"  # a job flag's dest is its field's path behind this, apart from any command's own flags
+# the end of the line `run` prints when it starts its engine while the API starts (tasks/warm.py: start_engine_early)
+EARLY_START = "while the orchestrator started"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,7 +227,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         # before any other work (but a generation corpus's answers' probe: tokenmill.answer_probe): the record
         # holds it to the run
         print(predict_job(spec, probe=True).describe(), flush=True)
-    start_engine_early(spec, api)
+    started = start_engine_early(spec, api)
+    if started is not None:  # one line whatever the engine (vLLM logs its own start; transformers, ONNX Runtime
+        # and OpenVINO theirs only inside a task): a user sees that this run started one, a finished job's rerun none
+        print(f"Started the {started.name} engine in {started.start_seconds:.1f} s, {EARLY_START}", flush=True)
     warm_tracking(spec)  # in the API's start, which the main thread would otherwise wait out idle
     finish_api_start(api)
     timeline.mark("flow_called")
