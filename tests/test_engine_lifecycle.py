@@ -2,13 +2,13 @@
 
 These run as separate processes, as a user runs them: the failure they guard against
 (vLLM torn down by the interpreter's exit, aborting a job that had succeeded with exit
-134) only shows in a process that ends. Here: batch_flow on vLLM in a script that ends (embedding), and
-`tokenmill gate` with its vLLM reference closed mid-command. Elsewhere, where tests run a command to its end
-anyway (conftest.assert_clean_exit): `tokenmill run` generating on vLLM in tests/test_openai_batch.py (a run; an
-idle rerun), and on transformers in tests/test_resume.py (a killed run's resume; an idle rerun; two at once) and
-tests/test_prediction.py (with `calibrate` and `plan`). No embedding `tokenmill run` on vLLM runs to its end in a
-test, nor `calibrate` on vLLM: both end their engines by the engine_scope checked here and exit through the same
-command() as every command (a third vLLM process here, for calibrate, cost ~105 s of CI).
+134) only shows in a process that ends. Here: `tokenmill run` embedding on vLLM, its engine's end checked by
+its last exit hook, and `tokenmill gate` with its vLLM reference closed mid-command. Elsewhere, where tests run
+a command to its end anyway (conftest.assert_clean_exit): an OpenAI Batch job's idle rerun in
+tests/test_openai_batch.py, and `tokenmill run` on transformers in tests/test_resume.py (a killed run's resume;
+an idle rerun; two at once) and tests/test_prediction.py (with `calibrate` and `plan`). `calibrate` on vLLM does
+not run to its end in a test: it ends its engine by the same engine_scope as a run and exits through the same
+command() as every command (a third vLLM process here cost ~105 s of CI).
 """
 
 import json
@@ -38,52 +38,62 @@ def corpus(tmp_path):
 
 
 @pytest.mark.engine
-def test_the_flow_closes_its_vllm_engine_when_it_ends(tmp_path, corpus):
-    """After batch_flow returns, no engine, no engine process and no vLLM client thread is left."""
+def test_tokenmill_run_closes_its_vllm_engine_and_exits_0(tmp_path, corpus):
+    """`tokenmill run` (the command's own exit path, tokenmill.cli.command) on vLLM: when its last exit hook has
+    run, no engine, no engine process and no vLLM client thread is left, nor a shared-memory segment the engine
+    made; then it exits 0, cleanly."""
+    job = tmp_path / "job.yaml"
+    job.write_text(textwrap.dedent(f"""
+        input: {corpus}
+        output: {tmp_path / 'out'}
+        model: {{name: all-MiniLM-L6-v2, engine: vllm, engine_kwargs: {{gpu_memory_utilization: 0.1, enforce_eager: true}}}}
+        tracking: {{mlflow_tracking_uri: "sqlite:///{tmp_path}/mlflow.db"}}
+    """))
     script = textwrap.dedent(f"""
-        import json, os, threading
+        import atexit, json, os, sys, threading
         import psutil
-        from tokenmill.flows.batch import batch_flow
+        import tokenmill.engines as engines
         from tokenmill.engines import open_engines
         from tokenmill.vllm_engine import VLLM_CLIENT_THREADS
-        from tokenmill.spec import JobSpec
 
-        if __name__ == "__main__":
-            spec = JobSpec.model_validate({{
-                "input": {str(corpus)!r}, "output": {str(tmp_path / "out")!r},
-                "model": {{"engine_kwargs": {{"gpu_memory_utilization": 0.1, "enforce_eager": True}}}},
-                "tracking": {{"mlflow_tracking_uri": "sqlite:///{tmp_path}/mlflow.db"}}}})
-            seen = {{}}
-            import tokenmill.engines as engines
-            real_start = engines.start_engine
-            def start_and_note(model_path, job):
-                engine = real_start(model_path, job)
-                # vLLM names its processes (setproctitle): VLLM::EngineCore, VLLM::Worker
-                seen["children"] = [p.pid for p in psutil.Process().children(recursive=True)
-                                    if "VLLM" in " ".join(p.cmdline()) + p.name()]
-                seen["segments"] = sorted(engine.leftovers.segments)
-                return engine
-            engines.start_engine = start_and_note
-            record = batch_flow(spec)
+        seen = {{}}
+        real_start = engines.start_engine
+
+        def start_and_note(model_path, job):
+            engine = real_start(model_path, job)
+            # vLLM names its processes (setproctitle): VLLM::EngineCore, VLLM::Worker
+            seen["children"] = [p.pid for p in psutil.Process().children(recursive=True)
+                                if "VLLM" in " ".join(p.cmdline()) + p.name()]
+            seen["segments"] = sorted(engine.leftovers.segments)
+            return engine
+
+        def inspect():  # the last exit hook the command runs (registered first), before its os._exit
             alive = [p for p in seen.get("children", []) if psutil.pid_exists(p)
                      and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
             print("RESULT " + json.dumps({{
-                "rows_out": record.metrics["rows_out"],
                 "engines": len(open_engines()),
                 "engine_processes_seen": len(seen.get("children", [])),
                 "engine_processes_alive": alive,
                 "client_threads": [t.name for t in threading.enumerate() if t.name in VLLM_CLIENT_THREADS],
                 "segments_seen": seen.get("segments", []),
                 "segments_left": [s for s in seen.get("segments", []) if os.path.exists("/dev/shm/" + s)],
-            }}))
+            }}), flush=True)
+
+        if __name__ == "__main__":
+            engines.start_engine = start_and_note
+            atexit.register(inspect)
+            from tokenmill.cli import command
+
+            sys.argv = ["tokenmill", "run", "--config", {str(job)!r}, "--no-progress"]
+            command()
     """)
-    (tmp_path / "flow_then_inspect.py").write_text(script)
-    done = subprocess.run([sys.executable, "flow_then_inspect.py"], cwd=tmp_path, env=environment(tmp_path),
+    (tmp_path / "run_then_inspect.py").write_text(script)
+    done = subprocess.run([sys.executable, "run_then_inspect.py"], cwd=tmp_path, env=environment(tmp_path),
                           capture_output=True, text=True, timeout=900)
-    assert_clean_exit(done, "batch_flow in a script")
+    assert_clean_exit(done, "tokenmill run on vLLM")
+    assert f"{len(TEXTS)} in = {len(TEXTS)} out + 0 rejected" in done.stdout
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     result = json.loads(line.removeprefix("RESULT "))
-    assert result["rows_out"] == len(TEXTS)
     assert result["engine_processes_seen"] >= 1  # vLLM did start its engine process
     # vLLM's engine maps its workers' ring buffer; killed at close, it cannot unlink it: close() does
     assert result["segments_seen"], "no shared-memory segment read from the engine's processes"

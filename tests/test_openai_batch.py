@@ -1,8 +1,9 @@
 """OpenAI Batch JSONL in and out, read back with the `openai` package's own types.
 
 The format tests run a shard with a stand-in engine (no vLLM). The engine tests (marked `engine`)
-run the real job through the CLI, then the same input file through vLLM's own
-`python -m vllm.entrypoints.openai.run_batch`, and compare the answers line by line.
+run the real job (the job the CLI makes of its arguments, on the session's SmolLM2 engine), then the same input
+file through vLLM's own `python -m vllm.entrypoints.openai.run_batch`, and compare the answers line by line; the
+job's rerun, every shard cached, runs as the command.
 """
 
 from __future__ import annotations
@@ -347,29 +348,41 @@ def _tokenmill(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.engine
-def test_same_answers_as_vllm_run_batch(tmp_path):
-    """The same file through tokenmill (CLI, several shards) and through vLLM's run_batch, greedy."""
+def test_same_answers_as_vllm_run_batch(tmp_path, prefect_api):
+    """The same file through tokenmill (the CLI's job, several shards) and through vLLM's run_batch, greedy.
+    Ours runs in this process, on the session's SmolLM2 engine (the job's model is TEST_GENERATE_MODEL, as the
+    CLI makes it of these arguments): a `tokenmill run` of its own cost a third vLLM start here (~70 s of CI).
+    A `tokenmill run` on vLLM runs to its end, exit checked, in tests/test_engine_lifecycle.py; the rerun below
+    is the command's, on this job's output."""
+    from tokenmill.cli import build_parser, spec_from_args
+    from tokenmill.engines import engine_key
+    from tokenmill.flows.batch import batch_flow
+
     lines = [chat_line(f"request-{i}", q) for i, q in enumerate(QUESTIONS)]
     path = write_jsonl(tmp_path / "requests.jsonl", lines)
     model_dir = str(resolve_model("SmolLM2-135M-Instruct"))
 
-    job = ["--input", str(path), "--output", str(tmp_path / "out"), "--engine", "vllm", "--max-batch-size", "32",
-           "--set", "batching.max_shard_bytes=2048",
-           "--set", "model.engine_kwargs={gpu_memory_utilization: 0.3, max_model_len: 1024, enforce_eager: true}"]
+    kwargs = ", ".join(f"{k}: {json.dumps(v)}" for k, v in TEST_GENERATE_MODEL.engine_kwargs.items())
+    job = ["--input", str(path), "--output", str(tmp_path / "out"), "--model", TEST_GENERATE_MODEL.name,
+           "--engine", "vllm", "--set", "batching.max_shard_bytes=2048", "--set", f"model.engine_kwargs={{{kwargs}}}"]
+    tracking = ["--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--experiment", "tests"]  # as _tokenmill's
+    spec = spec_from_args(build_parser().parse_args(["run", *job, *tracking]))
+    shared = engine_key(JobSpec(mode="generate", model=TEST_GENERATE_MODEL))[1:]  # as tests/conftest.py keys it
+    assert spec.mode == "generate" and engine_key(spec)[1:] == shared  # the session's engine runs it
     with engine_lock():  # both engines back to back, none of another test's between
         ours_seconds = time.perf_counter()
-        first_run = _tokenmill(tmp_path, *job)
+        record = batch_flow(spec)
         ours_seconds = time.perf_counter() - ours_seconds
         vllm_out = tmp_path / "vllm-output.jsonl"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(path),
                "-o", str(vllm_out), "--model", model_dir, "--served-model-name", "SmolLM2-135M-Instruct",
                "--dtype", "float32", "--max-model-len", "1024", "--gpu-memory-utilization", "0.3",
-               "--max-num-seqs", "32", "--enforce-eager"]
+               "--enforce-eager"]
         theirs_seconds = time.perf_counter()
         done = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
         theirs_seconds = time.perf_counter() - theirs_seconds
     assert done.returncode == 0, done.stderr[-5000:]
-    print(f"\ntokenmill run (CLI, Prefect, MLflow): {ours_seconds:.0f} s; vLLM run_batch: {theirs_seconds:.0f} s")
+    print(f"\ntokenmill's job (Prefect, MLflow; its engine open): {ours_seconds:.0f} s; vLLM run_batch: {theirs_seconds:.0f} s")
     out = tmp_path / "out" / OPENAI_DIR
     ours = {r["custom_id"]: ChatCompletion.model_validate(r["response"]["body"]) for r in read_jsonl(out / "output.jsonl")}
     batch = Batch.model_validate_json((out / "batch.json").read_text())
@@ -377,7 +390,8 @@ def test_same_answers_as_vllm_run_batch(tmp_path):
     assert manifest["shards_total"] > 1  # byte-range shards of one file
     assert batch.request_counts.completed == len(lines) and batch.request_counts.failed == 0
     assert read_jsonl(out / "errors.jsonl") == []
-    assert f"{len(lines)} in = {len(lines)} out + 0 rejected" in first_run.stdout  # the run record's counts
+    metrics = record.metrics  # the run record's counts
+    assert (metrics["rows_in"], metrics["rows_out"], metrics["rows_rejected"]) == (len(lines), len(lines), 0)
 
     theirs = {}
     for line in read_jsonl(vllm_out):
@@ -397,8 +411,9 @@ def test_same_answers_as_vllm_run_batch(tmp_path):
 
     # resume: a second run computes nothing and writes the same results
     first = (out / "output.jsonl").read_text()
-    again = _tokenmill(tmp_path, *job)  # every shard cached: no engine starts
+    again = _tokenmill(tmp_path, *job)  # the command, every shard cached: no engine starts
     assert "Cached" in again.stdout + again.stderr
+    assert f"{len(lines)} in = {len(lines)} out + 0 rejected" in again.stdout
     assert (out / "output.jsonl").read_text() == first, again.stdout[-2000:]
 
 
