@@ -113,12 +113,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+# loaded here, not in the forked child: the CLI may hold engine threads when it spawns the API (auto's trials run
+# before it: choose_engine_first), and a child of a threaded process must not take the loader's lock
+_LIBC = _libc()
+
+
 def _die_with_parent() -> None:
     """In the server process, before it runs: end it when the CLI dies, even by SIGKILL (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def temporary_api_url() -> str | None:
@@ -218,14 +228,54 @@ def nothing_left_to_run(spec: JobSpec, shards) -> bool:
     return len(finished_shards(spec, shards)) == len(shards)
 
 
+def trials_first(spec: JobSpec) -> bool:
+    """Whether `tokenmill run` measures auto's engine trials before its prediction (choose_engine_first): an
+    embedding job on `auto` that runs here, ungated, with shards left to compute and no trials kept here at its
+    length. Generation's trials stay after the prediction: its answers' probe opens the trials' first engine."""
+    if spec.model.engine != "auto" or spec.mode != "embed" or not _starts_here(spec):
+        return False
+    from tokenmill.engine_choice import trials_cached
+    from tokenmill.shards import discover_shards_for
+
+    try:
+        return not trials_cached(spec) and not nothing_left_to_run(spec, discover_shards_for(spec))
+    except Exception as exc:  # noqa: BLE001 - bad input: the flow meets it and reports it
+        log.debug("trials before the prediction skipped: %s", exc, exc_info=True)
+        return False
+
+
+def choose_engine_first(spec: JobSpec):
+    """Auto's engine trials for this job, measured now (where trials_first), before the API's start as the
+    gate's judge_first: a machine busy with nothing else, and the prediction that follows holds them as
+    measured (tokenmill.prediction.trials_ahead) and knows which engine they chose. The trials' last engine
+    stays open for the job (start_engine_early finds the choice made). Returns the choice; None where it
+    failed (logged: the flow's own choice meets the failure and reports it)."""
+    from tokenmill.engine_choice import choose_engine
+    from tokenmill.planning import estimate_rows
+    from tokenmill.shards import discover_shards_for
+
+    try:
+        return choose_engine(spec, job_rows=estimate_rows(spec, discover_shards_for(spec)))
+    except Exception as exc:  # noqa: BLE001
+        log.warning("engine trials before the prediction failed: %s", exc)
+        log.debug("trials before the prediction", exc_info=True)
+        timeline.forget("engine_choice_start", "engine_choice_done", "engine_start", "engine_ready")
+        return None
+
+
+def _starts_here(spec: JobSpec) -> bool:
+    """Whether this process starts the job's engine ahead of its flow: ungated (a gate may change the model),
+    run here (not a pool's), its corpus readable without the API (no storage block's credentials)."""
+    return (spec.gate is None and getattr(spec, "dispatch", "local") == "local"
+            and not getattr(spec, "storage_block", None))
+
+
 def start_engine_early(spec: JobSpec, api: EphemeralApi | None = None) -> Engine | None:
     """The engine this job will run on, started now (for `auto`, chosen now: cached trials cost
     a second, a first trial runs here). Only for a job that runs here without a gate (a gate may
     change the model). Failures are left for the flow to meet and report. Returns the engine where this call
     started it; None where it started none (auto's trial or a caller's engine_scope holds it open already)."""
-    if spec.gate is not None or getattr(spec, "dispatch", "local") != "local":
-        return None
-    if getattr(spec, "storage_block", None):  # its credentials come through the API: wait for the flow
+    if not _starts_here(spec):
         return None
     from tokenmill.engine_choice import choose_engine, trials_cached
     from tokenmill.engines import get_engine, is_open

@@ -647,6 +647,54 @@ def test_auto_is_predicted_as_it_weighs_the_engines_after_this_runs_trials(monke
     assert predicted_engine(spec, sample, trials) == ("transformers", "auto, by the trials' starts and rates")
 
 
+def test_a_run_that_ran_its_trials_before_it_predicted_reads_them_measured(tmp_path, monkeypatch):
+    """`tokenmill run` of an embedding job on auto with no trials here at its length runs them before it predicts
+    (tasks/warm.py: choose_engine_first): the prediction holds their seconds as measured, not each engine at its
+    defaults, and the engine they chose, kept open (the trials' last) or started again; plan and calibrate, whose
+    processes ran no trial, predict the trials. Only an ungated embedding job on auto that runs here measures first."""
+    from tokenmill import engine_choice, prediction, timeline
+    from tokenmill.engine_choice import EngineChoice, EngineTrial
+    from tokenmill.prediction import JobSample, predict
+    from tokenmill.spec import JobSpec
+    from tokenmill.tasks.warm import trials_first
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
+    monkeypatch.setattr(prediction, "runnable_engines", lambda spec: (["transformers", "vllm"], []))
+    monkeypatch.setattr(prediction, "trials_cached", lambda spec, mean=None: False)  # none kept at this length
+    spec = JobSpec.model_validate({"input": "in", "mode": "embed", "model": {"name": "all-MiniLM-L6-v2"}})
+    sample = JobSample(rows=500, shards=1, lengths=[200] * 64, trial_lengths=[200] * 16)
+    trials = [(200.0, EngineTrial(engine=e, start_seconds=s, tokens_per_s=r, rows=16, tokens=3200, seconds=0.5))
+              for e, s, r in (("transformers", 4.0, 7000.0), ("vllm", 30.0, 7500.0))]
+    before = predict(spec, sample, {}, trials)  # a plan's, or a run's before it ran them: predicted
+    assert before.part("engine trials").source.startswith("each engine from its parts")
+    t0 = 1000.0
+    marks = {"cli_ready": t0 + 2, "engine_choice_start": t0 + 3, "engine_choice_done": t0 + 51.5}
+    monkeypatch.setattr(timeline, "marks", lambda: dict(marks))
+    monkeypatch.setattr(timeline, "measures_process", lambda: True)
+    for chosen, start in (("vllm", "vllm: kept open from its trial"), ("transformers", "transformers: started again")):
+        choice = EngineChoice(engine=chosen, reason=f"{chosen} by its trial", trials=[t for _, t in trials],
+                              cached=False, cache_key="k", device="cpu-test")
+        monkeypatch.setitem(engine_choice._chosen, engine_choice._process_key(spec), choice)
+        run = predict(spec, sample, {}, trials)
+        assert run.engine == chosen  # the trials' choice, whatever the figures would weigh
+        assert run.part("engine trials").seconds == pytest.approx(48.5)
+        assert run.part("engine trials").source.startswith("48.5 s before this prediction")
+        assert run.part("engine start").source.startswith(start)
+        assert run.part("engine start").seconds == 0.0 if chosen == "vllm" else run.part("engine start").seconds > 0
+    # the same choice made in a process that did not measure from its start (a library call, a later job): no
+    # trials before its prediction, and none to come (chosen)
+    monkeypatch.setattr(timeline, "measures_process", lambda: False)
+    monkeypatch.setattr(prediction, "trials_cached", lambda spec, mean=None: True)
+    assert predict(spec, sample, {}, trials).part("engine trials") is None
+    # who measures first: not a job on a named engine, a generation job (its answers' probe opens the trials'
+    # first engine), a gated job (a gate may change the model)
+    for other in ({"model": {"name": "all-MiniLM-L6-v2", "engine": "transformers"}},
+                  {"mode": "generate", "model": {"name": "SmolLM2-135M-Instruct"}},
+                  {"gate": {"reference": {"name": "all-MiniLM-L6-v2"}}}):
+        assert not trials_first(JobSpec.model_validate({"input": "in", **other}))
+
+
 def test_the_samples_reading_follows_the_tokens_it_reads_from_runs_here():
     """The prediction reads the job's sample on the main thread: what that takes grows with the tokens read
     (long rows, a larger sample), so it is its own part, read off the runs here by the tokens each read."""

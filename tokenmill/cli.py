@@ -205,17 +205,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     timeline.mark("cli_ready")
     local = getattr(spec, "dispatch", "local") == "local"  # a fleet's workers choose their engines on their GPUs
     if local:
-        from tokenmill.prediction import probe_machine
-
-        probe_machine(spec)  # a first command's model probe: before the API's start, which it slowed beside it
-    # an embedding gate with no verdict here on its sample yet measures now, so the prediction knows which model
-    # runs the corpus (tokenmill.gate.judge_first); before the API's start, as the machine's model probe, not
-    # beside it. Not where the corpus's credentials are a Prefect block, which only the API reads
-    if local and spec.gate is not None and spec.mode == "embed" and not getattr(spec, "storage_block", None):
-        _write_sample_corpus(spec)  # the corpus the gate samples
-        from tokenmill.gate import judge_first
-
-        judge_first(spec, say=lambda line: print(line, flush=True))
+        _measure_first(spec)
     api = start_api_in_background()  # its process starts now; the flow's imports and the engine's start overlap it
     _write_sample_corpus(spec)
 
@@ -249,6 +239,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"MLflow:    run {record.mlflow_run_id}: {mlflow_ui_command(record.mlflow_tracking_uri)}")
     print("Prefect:   prefect server start, then http://127.0.0.1:4200/runs")
     return 0
+
+
+def _measure_first(spec) -> None:
+    """What `tokenmill run` measures before its prediction, which then holds it as measured, all before the API's
+    start (a machine busy with nothing else): a first command's model probe; an embedding gate with no verdict here
+    on its sample yet, so the prediction knows which model runs the corpus (tokenmill.gate.judge_first); auto's
+    embedding trials with none here at the job's length, so it knows their seconds and the engine they chose
+    (tasks/warm.py: choose_engine_first). Not the gate where the corpus's credentials are a Prefect block, which
+    only the API reads (trials_first says the same for the trials)."""
+    from tokenmill.prediction import probe_machine
+    from tokenmill.tasks.warm import choose_engine_first, trials_first
+
+    probe_machine(spec)  # a first command's model probe: before the API's start, which it slowed beside it
+    if spec.gate is not None and spec.mode == "embed" and not getattr(spec, "storage_block", None):
+        _write_sample_corpus(spec)  # the corpus the gate samples
+        from tokenmill.gate import judge_first
+
+        judge_first(spec, say=lambda line: print(line, flush=True))
+    if trials_first(spec):
+        _write_sample_corpus(spec)  # the corpus the trials sample
+        print("Engine auto: no trials here at this job's length yet; measuring the engines on its sample before "
+              "the prediction", flush=True)
+        choice = choose_engine_first(spec)
+        if choice is not None:
+            print(f"Engine auto: {choice.reason}", flush=True)
 
 
 def _write_sample_corpus(spec) -> None:

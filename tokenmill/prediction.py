@@ -33,8 +33,12 @@
   making one of that name took here (models_to_make); the runs store their parts without that making.
 
 `tokenmill plan`, `tokenmill calibrate` and `tokenmill run` all call `predict_job`, so one job
-gets one line. The run makes its prediction before it starts work (before any trial) and its
-record holds it beside what it measured: wall, engine and fixed seconds.
+gets one line. The run makes its prediction before it starts the job's work and its record holds it
+beside what it measured: wall, engine and fixed seconds. What `tokenmill run` measures before it predicts,
+the prediction holds as measured: a first command's model probe, an embedding gate with no verdict here on
+its sample (tokenmill.gate.judge_first), auto's embedding trials with none here at the job's length
+(trials_ahead), a generation corpus's answers' probe (tokenmill.answer_probe). `plan` and `calibrate` measure
+none of these, so before they have run once here they predict them from the stated defaults.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from tokenmill.engine_choice import (
     answers_at_cap,
     answers_key,
     cache_dir,
+    chosen_engine,
     class_rates,
     engine_trials,
     length_class,
@@ -1124,6 +1129,9 @@ def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str
     any trial: as auto will weigh them, at the defaults, the trial's last engine kept open)."""
     if spec.model.engine != "auto":
         return spec.model.engine, "as written"
+    chosen = chosen_engine(spec)
+    if chosen is not None:  # chosen in this process already (trials before the prediction): that engine runs
+        return chosen.engine, "auto, chosen in this process: " + chosen.reason
     able, _ = runnable_engines(spec)
     if len(able) == 1:
         return able[0], "the only engine that can run it here"
@@ -1144,6 +1152,30 @@ def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str
                + engine_part(spec, e, sample, trials)[0].seconds for e in able}  # the trials' figures alone
     return min(seconds, key=seconds.get), ("auto, by the trials' starts and rates" + (
         f", {kept} open from its trial" if kept else ""))
+
+
+def trials_ahead(spec: JobSpec) -> float | None:
+    """The seconds of the engine trials auto ran in this process before its prediction (`tokenmill run` of an
+    embedding job with no trials here at its length: tasks/warm.py's choose_engine_first, before the API's
+    start, as the gate's judge_first), else None. Predicted from the defaults, a first run's trials were the
+    miss of the first runs (bench/PREDICTION.md: vLLM's compiling start read 98 s by the default at the
+    probe's speed, ~69 s measured): measured first, the prediction holds them as measured, and which
+    engine they chose."""
+    choice = chosen_engine(spec)
+    if choice is None or choice.cached or not choice.trials or not timeline.measures_process():
+        return None
+    marks = timeline.marks()
+    if not marks.get("cli_ready", math.inf) <= marks.get("engine_choice_start", -math.inf) \
+            < marks.get("engine_choice_done", -math.inf):
+        return None
+    return _span(marks, "engine_choice_start", "engine_choice_done")
+
+
+def trials_ahead_part(seconds: float, able: list[str]) -> Part:
+    """Auto's engine trials, run before this prediction (trials_ahead): their seconds, measured."""
+    return Part(name="engine trials", seconds=seconds, source=(
+        f"{seconds:.1f} s before this prediction, no trials here at this job's length yet: "
+        f"{', '.join(trial_order(able))} measured on its sample (tasks/warm.py: choose_engine_first), measured"))
 
 
 def trials_run(spec: JobSpec, sample: JobSample, able: list[str]) -> bool:
@@ -1237,12 +1269,14 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
         sample = sample.model_copy(update={"probe_kept": 0})
     fixed = fixed_key(spec, engine)
     able = runnable_engines(spec)[0]
-    trial_runs = trials_run(spec, sample, able)
+    ahead = trials_ahead(spec)  # ran before this prediction (tasks/warm.py: choose_engine_first): measured
+    trial_runs = ahead is None and trials_run(spec, sample, able)
     idle = sample.shards == 0 and not trial_runs  # every shard finished: no engine starts (tasks/warm.py)
     alone = idle or not trial_runs and not early_start  # no engine starts before the flow (MAIN_ALONE)
-    if trial_runs and engine == trial_order(able)[-1]:
+    trialed = trial_runs or ahead is not None  # the trials' last engine open, the others closed after theirs
+    if trialed and engine == trial_order(able)[-1]:
         start = Part(name="engine start", seconds=0.0, source=f"{engine}: kept open from its trial")
-    elif trial_runs:
+    elif trialed:
         start = restart_part(spec, engine)
     elif idle:
         start = Part(name="engine start", seconds=0.0, source=f"{engine}: every shard finished, none starts")
@@ -1252,8 +1286,9 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
            orchestration_part(parts, fixed, 0.0 if trial_runs or not early_start else start.seconds,
                               main_thread_parts(spec, sample, parts, alone), alone=alone,
                               api_created=timeline.measures_process() and "api_store_created" in timeline.marks())]
-    if trial_runs:
-        out.append(trials_part(spec, sample, parts, able, trials, kept=engine == trial_order(able)[-1]))
+    if trialed:
+        out.append(trials_part(spec, sample, parts, able, trials, kept=engine == trial_order(able)[-1])
+                   if trial_runs else trials_ahead_part(ahead, able))
     engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts, gate_rate)
     out += [start, engine_seconds]
     factor, why = machine_speed()
