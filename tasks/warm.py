@@ -120,15 +120,15 @@ def _libc():
         return None
 
 
-# loaded here, not in the forked child: the CLI may hold engine threads when it spawns the API (auto's trials run
-# before it: choose_engine_first), and a child of a threaded process must not take the loader's lock
-_LIBC = _libc()
+# looked up here, not in the forked child: the CLI may have threads of its own when it spawns the API (the interpreter
+# probe's), and a child of a threaded process must not take the dynamic loader's lock (dlopen, dlsym)
+_PRCTL = getattr(_libc(), "prctl", None)
 
 
 def _die_with_parent() -> None:
     """In the server process, before it runs: end it when the CLI dies, even by SIGKILL (Linux)."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def temporary_api_url() -> str | None:
@@ -231,31 +231,35 @@ def nothing_left_to_run(spec: JobSpec, shards) -> bool:
 def trials_first(spec: JobSpec) -> bool:
     """Whether `tokenmill run` measures auto's engine trials before its prediction (choose_engine_first): an
     embedding job on `auto` that runs here, ungated, with shards left to compute and no trials kept here at its
-    length. Generation's trials stay after the prediction: its answers' probe opens the trials' first engine."""
+    length. Generation's trials stay after the prediction: its answers' probe opens the trials' first engine.
+    Asked beside the API's start (it reads the job's sample), as start_engine_early asked it before."""
     if spec.model.engine != "auto" or spec.mode != "embed" or not _starts_here(spec):
         return False
     from tokenmill.engine_choice import trials_cached
     from tokenmill.shards import discover_shards_for
 
     try:
-        return not trials_cached(spec) and not nothing_left_to_run(spec, discover_shards_for(spec))
+        return not nothing_left_to_run(spec, discover_shards_for(spec)) and not trials_cached(spec)
     except Exception as exc:  # noqa: BLE001 - bad input: the flow meets it and reports it
         log.debug("trials before the prediction skipped: %s", exc, exc_info=True)
         return False
 
 
-def choose_engine_first(spec: JobSpec):
-    """Auto's engine trials for this job, measured now (where trials_first), before the API's start as the
-    gate's judge_first: a machine busy with nothing else, and the prediction that follows holds them as
-    measured (tokenmill.prediction.trials_ahead) and knows which engine they chose. The trials' last engine
-    stays open for the job (start_engine_early finds the choice made). Returns the choice; None where it
+def choose_engine_first(spec: JobSpec, api: EphemeralApi | None = None):
+    """Auto's engine trials for this job, measured now (where trials_first), before the prediction, which then
+    holds them as measured (tokenmill.prediction.trials_ahead) and knows the engine they chose. As the early start
+    ran them: once the API has started (`api`: waited for here), on a machine busy with nothing else. The trials'
+    last engine stays open for the job (start_engine_early finds the choice made). Returns the choice; None where it
     failed (logged: the flow's own choice meets the failure and reports it)."""
     from tokenmill.engine_choice import choose_engine
     from tokenmill.planning import estimate_rows
     from tokenmill.shards import discover_shards_for
 
     try:
-        return choose_engine(spec, job_rows=estimate_rows(spec, discover_shards_for(spec)))
+        rows = estimate_rows(spec, discover_shards_for(spec))
+        timeline.mark("api_wait")
+        finish_api_start(api)
+        return choose_engine(spec, job_rows=rows)
     except Exception as exc:  # noqa: BLE001
         log.warning("engine trials before the prediction failed: %s", exc)
         log.debug("trials before the prediction", exc_info=True)

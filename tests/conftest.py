@@ -24,6 +24,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 
+from tokenmill.cli import EARLY_START  # noqa: E402
 from tokenmill.spec import JobSpec, ModelSpec  # noqa: E402
 from tokenmill.tasks.job import PrefectJob  # noqa: E402
 
@@ -49,6 +50,11 @@ TEXTS = [
     "Embeddings map text to vectors whose cosine similarity tracks meaning.",
     "The manifest lists every shard with its fingerprint and row counts.",
 ]
+
+
+# what a run prints when it starts its engine early (tokenmill.cli, any engine), and the engines' own lines where one
+# starts inside a shard's task: transformers' (tokenmill.hf_engine), vLLM's
+ENGINE_STARTED = (EARLY_START, "Starting transformers", "Initializing a V1 LLM engine")
 
 
 def assert_clean_exit(done, what: str) -> None:

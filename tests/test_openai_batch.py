@@ -24,7 +24,7 @@ import pytest
 from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
-from conftest import TEST_EMBED_MODEL, TEST_GENERATE_MODEL, assert_clean_exit
+from conftest import ENGINE_STARTED, TEST_EMBED_MODEL, TEST_GENERATE_MODEL, assert_clean_exit
 from tokenmill.engine_protocol import Engine, Generation
 from tokenmill.errors import InputError
 from tokenmill.models import resolve_model
@@ -414,6 +414,7 @@ def test_same_answers_as_vllm_run_batch(tmp_path, prefect_api):
     again = _tokenmill(tmp_path, *job)  # the command, every shard cached: no engine starts
     assert "Cached" in again.stdout + again.stderr
     assert f"{len(lines)} in = {len(lines)} out + 0 rejected" in again.stdout
+    assert not [line for line in ENGINE_STARTED if line in again.stdout + again.stderr], again.stdout[-2000:]
     assert (out / "output.jsonl").read_text() == first, again.stdout[-2000:]
 
 

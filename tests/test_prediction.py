@@ -649,9 +649,11 @@ def test_auto_is_predicted_as_it_weighs_the_engines_after_this_runs_trials(monke
 
 def test_a_run_that_ran_its_trials_before_it_predicted_reads_them_measured(tmp_path, monkeypatch):
     """`tokenmill run` of an embedding job on auto with no trials here at its length runs them before it predicts
-    (tasks/warm.py: choose_engine_first): the prediction holds their seconds as measured, not each engine at its
-    defaults, and the engine they chose, kept open (the trials' last) or started again; plan and calibrate, whose
-    processes ran no trial, predict the trials. Only an ungated embedding job on auto that runs here measures first."""
+    (tasks/warm.py: choose_engine_first, once the API answered): the prediction holds the process to their end as
+    measured (its imports, its start to the trials, the trials), not each engine at its defaults, then the main
+    thread's work after them, and the engine they chose, kept open (the trials' last) or started again; plan and
+    calibrate, whose processes ran no trial before a run's prediction, predict the trials. Only an ungated
+    embedding job on auto that runs here with no trials kept at its length measures first."""
     from tokenmill import engine_choice, prediction, timeline
     from tokenmill.engine_choice import EngineChoice, EngineTrial
     from tokenmill.prediction import JobSample, predict
@@ -659,18 +661,30 @@ def test_a_run_that_ran_its_trials_before_it_predicted_reads_them_measured(tmp_p
     from tokenmill.tasks.warm import trials_first
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "in").mkdir()
+    write_parquet(tmp_path / "in" / "docs.parquet", [f"d{i}" for i in range(40)], [TEXTS[i % len(TEXTS)] for i in range(40)])
+    job = {"input": str(tmp_path / "in"), "output": str(tmp_path / "out")}
+    spec = JobSpec.model_validate({**job, "mode": "embed", "model": {"name": "all-MiniLM-L6-v2"}})
+    assert trials_first(spec)  # auto, embedding, no trials kept here (an empty cache)
+    # not a job on a named engine, a generation job (its answers' probe opens the trials' first engine), a gated
+    # job (a gate may change the model)
+    for other in ({"model": {"name": "all-MiniLM-L6-v2", "engine": "transformers"}},
+                  {"mode": "generate", "model": {"name": "SmolLM2-135M-Instruct"}},
+                  {"model": {"name": "all-MiniLM-L6-v2"}, "gate": {"reference": {"name": "all-MiniLM-L6-v2"}}}):
+        assert not trials_first(JobSpec.model_validate({**job, **other})), other
+
     monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
     monkeypatch.setattr(prediction, "runnable_engines", lambda spec: (["transformers", "vllm"], []))
     monkeypatch.setattr(prediction, "trials_cached", lambda spec, mean=None: False)  # none kept at this length
-    spec = JobSpec.model_validate({"input": "in", "mode": "embed", "model": {"name": "all-MiniLM-L6-v2"}})
     sample = JobSample(rows=500, shards=1, lengths=[200] * 64, trial_lengths=[200] * 16)
     trials = [(200.0, EngineTrial(engine=e, start_seconds=s, tokens_per_s=r, rows=16, tokens=3200, seconds=0.5))
               for e, s, r in (("transformers", 4.0, 7000.0), ("vllm", 30.0, 7500.0))]
     before = predict(spec, sample, {}, trials)  # a plan's, or a run's before it ran them: predicted
     assert before.part("engine trials").source.startswith("each engine from its parts")
     t0 = 1000.0
-    marks = {"cli_ready": t0 + 2, "engine_choice_start": t0 + 3, "engine_choice_done": t0 + 51.5}
+    marks = {"cli_ready": t0 + 2, "api_wait": t0 + 5, "engine_choice_start": t0 + 12, "engine_choice_done": t0 + 60.5}
     monkeypatch.setattr(timeline, "marks", lambda: dict(marks))
+    monkeypatch.setattr(timeline, "process_started", lambda: t0)
     monkeypatch.setattr(timeline, "measures_process", lambda: True)
     for chosen, start in (("vllm", "vllm: kept open from its trial"), ("transformers", "transformers: started again")):
         choice = EngineChoice(engine=chosen, reason=f"{chosen} by its trial", trials=[t for _, t in trials],
@@ -678,21 +692,22 @@ def test_a_run_that_ran_its_trials_before_it_predicted_reads_them_measured(tmp_p
         monkeypatch.setitem(engine_choice._chosen, engine_choice._process_key(spec), choice)
         run = predict(spec, sample, {}, trials)
         assert run.engine == chosen  # the trials' choice, whatever the figures would weigh
+        assert run.part("python imports").seconds == pytest.approx(2.0)
         assert run.part("engine trials").seconds == pytest.approx(48.5)
         assert run.part("engine trials").source.startswith("48.5 s before this prediction")
+        orchestration = run.part("orchestration start")
+        assert orchestration.source.startswith("10.0 s to the trials") and orchestration.seconds > 10.0
         assert run.part("engine start").source.startswith(start)
-        assert run.part("engine start").seconds == 0.0 if chosen == "vllm" else run.part("engine start").seconds > 0
-    # the same choice made in a process that did not measure from its start (a library call, a later job): no
-    # trials before its prediction, and none to come (chosen)
+        assert (run.part("engine start").seconds == 0.0) == (chosen == "vllm")
+        assert run.seconds > 2.0 + 10.0 + 48.5 + run.part("engine").seconds
+    # the same choice made in a process that did not measure from its start (a library call, a later job), or
+    # before the command's start (a plan's own choice): no trials before its prediction, and its engine weighed
+    # by the trials' figures as a run weighs them, every start counted (transformers: 4 s against vllm's 30)
     monkeypatch.setattr(timeline, "measures_process", lambda: False)
     monkeypatch.setattr(prediction, "trials_cached", lambda spec, mean=None: True)
-    assert predict(spec, sample, {}, trials).part("engine trials") is None
-    # who measures first: not a job on a named engine, a generation job (its answers' probe opens the trials'
-    # first engine), a gated job (a gate may change the model)
-    for other in ({"model": {"name": "all-MiniLM-L6-v2", "engine": "transformers"}},
-                  {"mode": "generate", "model": {"name": "SmolLM2-135M-Instruct"}},
-                  {"gate": {"reference": {"name": "all-MiniLM-L6-v2"}}}):
-        assert not trials_first(JobSpec.model_validate({"input": "in", **other}))
+    plan = predict(spec, sample, {}, trials)
+    assert plan.part("engine trials") is None and plan.engine == "transformers"
+    assert plan.part("python imports").source != "this process, measured"
 
 
 def test_the_samples_reading_follows_the_tokens_it_reads_from_runs_here():

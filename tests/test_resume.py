@@ -11,15 +11,12 @@ import mlflow
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import assert_clean_exit, write_parquet
+from conftest import ENGINE_STARTED, assert_clean_exit, write_parquet
 from tokenmill.cli import EARLY_START
 from tokenmill.results import shard_cache_key
 from tokenmill.shards import discover_shards
 from tokenmill.spec import JobSpec, ModelSpec
 
-# what a run prints when it starts its engine early (tokenmill.cli, any engine), and the engines' own lines where one
-# starts inside a shard's task: transformers' (tokenmill.hf_engine), vLLM's, should `--engine` not be honoured
-ENGINE_STARTED = (EARLY_START, "Starting transformers", "Initializing a V1 LLM engine")
 SENTENCE = "Preemptible machines are cheap because the cloud can take them back at any moment. "
 
 

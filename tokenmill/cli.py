@@ -214,10 +214,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if local:
         from tokenmill.prediction import predict_job
 
-        # before any other work (but a generation corpus's answers' probe: tokenmill.answer_probe): the record
-        # holds it to the run
+        trials_ok = _trials_first(spec, api)
+        # before any other work (but what it holds as measured: auto's first trials, a generation corpus's answers'
+        # probe, tokenmill.answer_probe): the record holds it to the run
         print(predict_job(spec, probe=True).describe(), flush=True)
-    started = start_engine_early(spec, api)
+    started = start_engine_early(spec, api) if not local or trials_ok else None  # failed trials: not twice here
     if started is not None:  # one line whatever the engine (vLLM logs its own start; transformers, ONNX Runtime
         # and OpenVINO theirs only inside a task): a user sees that this run started one, a finished job's rerun none
         print(f"Started the {started.name} engine in {started.start_seconds:.1f} s, {EARLY_START}", flush=True)
@@ -242,14 +243,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _measure_first(spec) -> None:
-    """What `tokenmill run` measures before its prediction, which then holds it as measured, all before the API's
-    start (a machine busy with nothing else): a first command's model probe; an embedding gate with no verdict here
-    on its sample yet, so the prediction knows which model runs the corpus (tokenmill.gate.judge_first); auto's
-    embedding trials with none here at the job's length, so it knows their seconds and the engine they chose
-    (tasks/warm.py: choose_engine_first). Not the gate where the corpus's credentials are a Prefect block, which
-    only the API reads (trials_first says the same for the trials)."""
+    """What `tokenmill run` measures before the API's start and its prediction, which then holds it as measured: a
+    first command's model probe (the API's start slowed it beside it); an embedding gate with no verdict here on its
+    sample yet, so the prediction knows which model runs the corpus (tokenmill.gate.judge_first). Not the gate where
+    the corpus's credentials are a Prefect block, which only the API reads. Auto's trials: _trials_first."""
     from tokenmill.prediction import probe_machine
-    from tokenmill.tasks.warm import choose_engine_first, trials_first
 
     probe_machine(spec)  # a first command's model probe: before the API's start, which it slowed beside it
     if spec.gate is not None and spec.mode == "embed" and not getattr(spec, "storage_block", None):
@@ -257,13 +255,23 @@ def _measure_first(spec) -> None:
         from tokenmill.gate import judge_first
 
         judge_first(spec, say=lambda line: print(line, flush=True))
-    if trials_first(spec):
-        _write_sample_corpus(spec)  # the corpus the trials sample
-        print("Engine auto: no trials here at this job's length yet; measuring the engines on its sample before "
-              "the prediction", flush=True)
-        choice = choose_engine_first(spec)
-        if choice is not None:
-            print(f"Engine auto: {choice.reason}", flush=True)
+
+
+def _trials_first(spec, api) -> bool:
+    """Auto's embedding trials with none here at the job's length, measured before the prediction, so it holds
+    their seconds as measured and the engine they chose (tasks/warm.py: choose_engine_first: after the API's
+    start, on a machine busy with nothing else, as the early start ran them). False where they ran and failed:
+    the flow's own choice meets the failure and reports it."""
+    from tokenmill.tasks.warm import choose_engine_first, trials_first
+
+    if not trials_first(spec):
+        return True
+    print("Engine auto: no trials here at this job's length yet; measuring the engines on its sample before the "
+          "prediction", flush=True)
+    choice = choose_engine_first(spec, api)
+    if choice is not None:
+        print(f"Engine auto: {choice.reason}", flush=True)
+    return choice is not None
 
 
 def _write_sample_corpus(spec) -> None:

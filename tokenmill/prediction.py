@@ -37,8 +37,9 @@ gets one line. The run makes its prediction before it starts the job's work and 
 beside what it measured: wall, engine and fixed seconds. What `tokenmill run` measures before it predicts,
 the prediction holds as measured: a first command's model probe, an embedding gate with no verdict here on
 its sample (tokenmill.gate.judge_first), auto's embedding trials with none here at the job's length
-(trials_ahead), a generation corpus's answers' probe (tokenmill.answer_probe). `plan` and `calibrate` measure
-none of these, so before they have run once here they predict them from the stated defaults.
+(trials_ahead: after the API's start, which it waits out, as the early start ran them), a generation corpus's
+answers' probe (tokenmill.answer_probe). `plan` and `calibrate` predict a run as it will run: these parts from
+the figures kept here, or before any, from the stated defaults.
 """
 
 from __future__ import annotations
@@ -1125,13 +1126,15 @@ def _row_cache_exists(spec: JobSpec) -> bool:
 
 
 def predicted_engine(spec: JobSpec, sample: JobSample, trials) -> tuple[str, str]:
-    """The engine the job will run on, and why: as written, or auto's choice by the trials' curve (before
-    any trial: as auto will weigh them, at the defaults, the trial's last engine kept open)."""
+    """The engine the job will run on, and why: as written, the one this run's trials chose before its prediction
+    (trials_ahead), or auto's choice by the trials' curve (before any trial: as auto will weigh them, at the
+    defaults, the trial's last engine kept open). Not a choice a plan or a calibration made in its own process:
+    they choose with the trials' last engine open, or by throughput alone; a run weighs every start."""
     if spec.model.engine != "auto":
         return spec.model.engine, "as written"
     chosen = chosen_engine(spec)
-    if chosen is not None:  # chosen in this process already (trials before the prediction): that engine runs
-        return chosen.engine, "auto, chosen in this process: " + chosen.reason
+    if chosen is not None and trials_ahead(spec) is not None:  # this run's trials, before its prediction, chose
+        return chosen.engine, "auto, chosen by this run's trials: " + chosen.reason
     able, _ = runnable_engines(spec)
     if len(able) == 1:
         return able[0], "the only engine that can run it here"
@@ -1171,11 +1174,26 @@ def trials_ahead(spec: JobSpec) -> float | None:
     return _span(marks, "engine_choice_start", "engine_choice_done")
 
 
-def trials_ahead_part(seconds: float, able: list[str]) -> Part:
-    """Auto's engine trials, run before this prediction (trials_ahead): their seconds, measured."""
-    return Part(name="engine trials", seconds=seconds, source=(
-        f"{seconds:.1f} s before this prediction, no trials here at this job's length yet: "
-        f"{', '.join(trial_order(able))} measured on its sample (tasks/warm.py: choose_engine_first), measured"))
+def parts_after_trials(spec: JobSpec, sample: JobSample, parts: dict[str, Any], fixed: str, seconds: float,
+                       able: list[str]) -> list[Part]:
+    """A run whose auto trials ran before its prediction (trials_ahead): its imports, its start to the trials
+    (the model probe, the sample corpus, the flow's imports, the API's start waited out) and the trials, measured;
+    then the main thread's work after them, one step after another (the API answered already, no engine start
+    beside it): reading the job's sample, MLflow's store, the rest of the main thread, and the flow's start."""
+    marks = {"process": timeline.process_started(), **timeline.marks()}
+    before = _span(marks, "cli_ready", "engine_choice_start")
+    read, read_source = reading_part(parts, spec.mode, sample.read_tokens, sample.read_chars)
+    _, tracking, tracking_source = tracking_part(spec, parts)
+    main, flow = (_seconds(parts, fixed, name) for name in (MAIN, "flow start"))
+    after = read + tracking + main["seconds"] + flow["seconds"]
+    return [Part(name="python imports", seconds=_span(marks, "process", "cli_ready"), source="this process, measured"),
+            Part(name="orchestration start", seconds=before + after, source=(
+                f"{before:.1f} s to the trials, the API's start waited out, measured; then {READING} {read:.1f} s "
+                f"({read_source}), MLflow's store {tracking:.1f} s ({tracking_source}), main thread "
+                f"{main['seconds']:.1f} s ({main['source']}), flow start {flow['seconds']:.1f} s ({flow['source']})")),
+            Part(name="engine trials", seconds=seconds, source=(
+                f"{seconds:.1f} s before this prediction, no trials here at this job's length yet: "
+                f"{', '.join(trial_order(able))} measured on its sample (tasks/warm.py: choose_engine_first), measured"))]
 
 
 def trials_run(spec: JobSpec, sample: JobSample, able: list[str]) -> bool:
@@ -1282,13 +1300,15 @@ def predict(spec: JobSpec, sample: JobSample, parts: dict[str, Any], trials, ear
         start = Part(name="engine start", seconds=0.0, source=f"{engine}: every shard finished, none starts")
     else:
         start = engine_start_part(spec, engine, sample, parts, trials, gate_makes)
-    out = [Part(name="python imports", **_seconds(parts, fixed, "python imports")),
-           orchestration_part(parts, fixed, 0.0 if trial_runs or not early_start else start.seconds,
-                              main_thread_parts(spec, sample, parts, alone), alone=alone,
-                              api_created=timeline.measures_process() and "api_store_created" in timeline.marks())]
-    if trialed:
-        out.append(trials_part(spec, sample, parts, able, trials, kept=engine == trial_order(able)[-1])
-                   if trial_runs else trials_ahead_part(ahead, able))
+    if ahead is not None:  # the process up to the trials' end is measured; the API answered before them
+        out = parts_after_trials(spec, sample, parts, fixed, ahead, able)
+    else:
+        out = [Part(name="python imports", **_seconds(parts, fixed, "python imports")),
+               orchestration_part(parts, fixed, 0.0 if trial_runs or not early_start else start.seconds,
+                                  main_thread_parts(spec, sample, parts, alone), alone=alone,
+                                  api_created=timeline.measures_process() and "api_store_created" in timeline.marks())]
+    if trial_runs:
+        out.append(trials_part(spec, sample, parts, able, trials, kept=engine == trial_order(able)[-1]))
     engine_seconds, tokens = engine_part(spec, engine, sample, trials, parts, gate_rate)
     out += [start, engine_seconds]
     factor, why = machine_speed()
