@@ -59,17 +59,26 @@ def test_tokenmill_run_closes_its_vllm_engine_and_exits_0(tmp_path, corpus):
         seen = {{}}
         real_start = engines.start_engine
 
+        def named_vllm(process):  # vLLM names its processes (setproctitle): VLLM::EngineCore, VLLM::Worker
+            try:
+                return "VLLM" in " ".join(process.cmdline()) + process.name()
+            except psutil.Error:  # ended since it was listed, or a zombie not reaped yet: no engine process
+                return False
+
+        def running(pid):
+            try:
+                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:  # ended (and reaped) since it was seen
+                return False
+
         def start_and_note(model_path, job):
             engine = real_start(model_path, job)
-            # vLLM names its processes (setproctitle): VLLM::EngineCore, VLLM::Worker
-            seen["children"] = [p.pid for p in psutil.Process().children(recursive=True)
-                                if "VLLM" in " ".join(p.cmdline()) + p.name()]
+            seen["children"] = [p.pid for p in psutil.Process().children(recursive=True) if named_vllm(p)]
             seen["segments"] = sorted(engine.leftovers.segments)
             return engine
 
         def inspect():  # the last exit hook the command runs (registered first), before its os._exit
-            alive = [p for p in seen.get("children", []) if psutil.pid_exists(p)
-                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            alive = [p for p in seen.get("children", []) if running(p)]
             print("RESULT " + json.dumps({{
                 "engines": len(open_engines()),
                 "engine_processes_seen": len(seen.get("children", [])),
