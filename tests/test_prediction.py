@@ -943,6 +943,8 @@ def test_a_commands_interpreter_probes_read_seconds_apart_and_end_with_it(monkey
     while len(probes.readings) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(probes.readings) == 3 and all(0 < ms < 10_000 for ms in probes.readings)
+    probes._reader.join(timeout=10)  # its readings done, it exited: reaped, not a zombie child of the command
+    assert probes._process.returncode is not None  # set by a wait, not by best() or stop() (not called yet)
     assert probes.best() == min(probes.readings[:3]) and probes._process.poll() is not None
 
     waiting = device.InterpreterProbes(readings=4, gap=30)

@@ -282,6 +282,10 @@ class InterpreterProbes:
                 self._first.set()
         finally:
             self._first.set()  # ended without a reading: best() answers None, not a wait
+            try:  # its output ended: it exits, reaped here, not left a zombie child until best() or stop()
+                self._process.wait(timeout=5)
+            except Exception:  # noqa: BLE001 - still running (a closed pipe, not an exit): stop() ends it
+                pass
 
     def best(self, timeout: float = 60.0) -> float | None:
         """The fastest reading so far, once there is one (None where the probe ended or timed out without
