@@ -48,7 +48,11 @@ class Fleet:
             PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
             PREFECT_SERVER_ANALYTICS_ENABLED="false",
             PREFECT_UI_ENABLED="true" if ui else "false",
-            PREFECT_WORKER_QUERY_SECONDS="1",
+            # 3, not 1: on this SQLite server, workers polling every second made ~2 writes a second collide
+            # ("database is locked", ~1,000 tracebacks a module run) and 2-4 times a run froze the server for
+            # 60 s, its busy_timeout (py-spy: the event loop stopped mid-line, an aiosqlite thread waiting on the
+            # lock): 8-10 minutes a module run at 1 s, 5 at 3 s, with no freeze (2026-12-07)
+            PREFECT_WORKER_QUERY_SECONDS="3",
             PREFECT_WORKER_HEARTBEAT_SECONDS="5",
             PREFECT_LOGGING_LEVEL="INFO",
             TOKENMILL_CODE_DIR=str(REPO),
@@ -90,12 +94,15 @@ class Fleet:
         return SyncPrefectClient(self.api_url)
 
     def stop(self) -> None:
+        """SIGTERM to all, 10 s for all of them together, then SIGKILL: a Prefect 3.7 worker can hang in its
+        own shutdown (NoEventLoopError in its log), and a wait of 20 s each cost the suite a minute."""
         for process in reversed(self.processes):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
         for process in reversed(self.processes):
             try:
-                process.wait(timeout=20)
+                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=10)
