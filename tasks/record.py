@@ -152,7 +152,9 @@ def predicted_against_measured_wall(spec: JobSpec, engine: str, engine_choice, m
                             shards_read=len(fresh), gate_samples=gate_samples,
                             shards_finished=len(results) - len(fresh))
     get_run_logger().info("%s", predicted.describe())
-    return prediction.compare(predicted, metrics, ran=spec.model if gate_report is not None else None)
+    compared = prediction.compare(predicted, metrics, ran=spec.model if gate_report is not None else None)
+    prediction.remember_track(compared)
+    return compared
 
 
 def shard_table(spec: JobSpec, results: list[ShardResult], cached: set[str]) -> list[dict[str, Any]]:

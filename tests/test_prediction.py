@@ -46,9 +46,10 @@ def job_a(tmp_path_factory):
                                                "--out", str(root / "calibration"), cwd=root, cache=cache)),
         "plan": prediction_line(tokenmill("plan", *config, "--window", "1h", "--tokens-per-s", "1000",
                                           cwd=root, cache=cache)),
-        "run": prediction_line(tokenmill("run", *config, "--no-progress", cwd=root, cache=cache)),
     }
-    return {"root": root, "cache": cache, "lines": lines, "job": job}
+    run = tokenmill("run", *config, "--no-progress", cwd=root, cache=cache)
+    lines["run"] = prediction_line(run)
+    return {"root": root, "cache": cache, "lines": lines, "job": job, "run": run}
 
 
 def test_plan_calibrate_and_run_print_one_prediction_for_one_job(job_a):
@@ -147,8 +148,9 @@ def test_a_rerun_with_every_shard_finished_is_predicted_without_an_engine_and_re
 
     from tokenmill import prediction
 
-    line = prediction_line(tokenmill("run", "--config", str(job_a["root"] / "job.yaml"), "--no-progress",
-                                     cwd=job_a["root"], cache=job_a["cache"]))
+    stdout = tokenmill("run", "--config", str(job_a["root"] / "job.yaml"), "--no-progress", cwd=job_a["root"],
+                       cache=job_a["cache"])
+    line = prediction_line(stdout)
     assert "for 0 rows" in line and not re.search(r"; engine start [\d.]+ s \(", line)  # 0 s: not printed
     # its finished shards' tasks, each reading its result back: a part of their own, never measured here yet
     assert re.search(r"finished shards [\d.]+ s \([\d.]+ s a shard, its task reading the result kept \(default: "
@@ -173,6 +175,16 @@ def test_a_rerun_with_every_shard_finished_is_predicted_without_an_engine_and_re
     # plan's and calibrate's don't store; stored by mode, the rerun's opening apart (no engine before it)
     assert len(stored[prediction.machine_key()][f"{prediction.TRACKING_OPENED}@embed"]) >= 1
     assert len(stored[prediction.machine_key()][f"{prediction.TRACKING_ALONE}@embed"]) == 1
+    # under each prediction, how the machine's last runs came out against theirs: the first run had none to tell;
+    # this one tells the first's, as its record holds it; after it, both are kept (plan and calibrate keep none)
+    assert "On this machine no run has been held against its prediction yet." in job_a["run"].splitlines()
+    first = runs[1].data.metrics
+    ratio = first["measured_wall_seconds"] / first["predicted_wall_seconds_to_record"]
+    kept = stored[prediction.machine_key()][prediction.TRACK]
+    told = f"On this machine the last run ran {abs(kept[0] - 1):.0%} {'over' if kept[0] > 1 else 'under'} its prediction"
+    assert any(line.startswith(told) for line in stdout.splitlines()), stdout
+    assert kept == pytest.approx([ratio, metrics["measured_wall_seconds"] / metrics["predicted_wall_seconds_to_record"]],
+                                 abs=1e-3)
     # ...and its finished shards' tasks, measured apart: the next rerun's (any job's here) read them
     assert len(stored[prediction.machine_key()][prediction.FINISHED_SHARD]) == 1
 
@@ -488,6 +500,35 @@ def test_shard_overhead_of_several_runs_is_their_lower_quartile_not_one_stall_ca
     # scaled from the nearest length measured: its lower quartile too
     near = overhead_part(parts, key, 5, 1000)
     assert near.seconds == pytest.approx(0.4) and "lower quartile of 2 runs" in near.source
+
+
+def test_the_machines_track_record_is_told_beside_a_prediction_and_never_read_into_one(tmp_path, monkeypatch):
+    """Under every prediction, how the machine's last runs came out against theirs (any job's: told, so that a
+    fleet's plan knows how far predictions held here, never a factor on this job's figures)."""
+    from tokenmill import prediction
+    from tokenmill.prediction import JobSample, TRACK, TRACK_KEEP, machine_key, predict, remember_track, track_record
+    from tokenmill.spec import JobSpec
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(prediction, "device_label", lambda: "cpu-test")
+    assert track_record() == "On this machine no run has been held against its prediction yet."
+    remember_track({"predicted_wall_seconds_to_record": 20.0, "measured_wall_seconds": 23.0})
+    assert track_record().startswith("On this machine the last run ran 15% over its prediction")
+    remember_track({"predicted_wall_seconds": 20.0})  # a record with nothing measured (a library call's): none
+    for measured in (18.0, 20.4, 25.0):
+        remember_track({"predicted_wall_seconds_to_record": 20.0, "measured_wall_seconds": measured})
+    assert track_record().startswith("On this machine the last 4 runs ran from 10% under to 25% over their "
+                                     "predictions (2 of 4 within 10%, median |error| 12%")
+    for _ in range(TRACK_KEEP + 3):
+        remember_track({"predicted_wall_seconds_to_record": 10.0, "measured_wall_seconds": 10.0})
+    assert prediction.read_parts()[machine_key()][TRACK] == [1.0] * TRACK_KEEP
+    # predictions read none of it: the same job predicts the same seconds with any record kept
+    spec = JobSpec.model_validate({"input": "in", "mode": "embed", "model": {"name": "all-MiniLM-L6-v2",
+                                                                             "engine": "transformers"}})
+    sample = JobSample(rows=1000, shards=1, lengths=[40] * 64)
+    kept = prediction.read_parts()
+    wild = {**kept, machine_key(): {**kept[machine_key()], TRACK: [3.0] * TRACK_KEEP}}
+    assert predict(spec, sample, kept, []).seconds == predict(spec, sample, wild, []).seconds
 
 
 def test_orchestration_start_is_what_the_engines_start_does_not_hide():

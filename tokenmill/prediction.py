@@ -427,6 +427,7 @@ class Prediction(BaseModel):
     # the branch that ran beside the prediction (compare), the prediction's error left as it is.
     branches: dict[str, tuple[str, float, float]] = {}
     assumed: str = ""  # the branch this prediction is (branch_key), where it has branches
+    track: str = ""  # how this machine's last runs came out against their predictions (track_record)
 
     @property
     def seconds(self) -> float:
@@ -446,7 +447,8 @@ class Prediction(BaseModel):
     def describe(self) -> str:
         parts = "; ".join(f"{p.name} {p.seconds:,.1f} s ({p.source})" for p in self.parts if p.seconds or p.is_default)
         return (f"predicted wall {self.seconds:,.0f} s on {self.engine}: {self.fixed_seconds:,.0f} s fixed + "
-                f"{self.engine_seconds:,.0f} s engine for {self.rows:,} rows, {self.tokens:,.0f} tokens [{parts}]")
+                f"{self.engine_seconds:,.0f} s engine for {self.rows:,} rows, {self.tokens:,.0f} tokens [{parts}]"
+                + (f"\n{self.track}" if self.track else ""))
 
     def metrics(self) -> dict[str, float]:
         return {"predicted_wall_seconds": self.seconds, "predicted_engine_seconds": self.engine_seconds,
@@ -496,15 +498,15 @@ def read_parts() -> dict[str, Any]:
     return read_json(_parts_path())
 
 
-def remember_parts(measured: dict[str, dict[str, float]]) -> None:
-    """Measured seconds by (key, part name): appended to each part's last KEEP_LAST measurements."""
+def remember_parts(measured: dict[str, dict[str, float]], keep: int = KEEP_LAST) -> None:
+    """Measured seconds by (key, part name): appended to each part's last `keep` measurements."""
     if not measured:
         return
     def append(stored: dict[str, Any]) -> None:
         for key, parts in measured.items():
             entry = stored.setdefault(key, {})
             for name, seconds in parts.items():
-                entry[name] = (entry.get(name, []) + [round(max(seconds, 0.0), 3)])[-KEEP_LAST:]
+                entry[name] = (entry.get(name, []) + [round(max(seconds, 0.0), 3)])[-keep:]
             entry["_measured_at"] = [time.time()]
 
     rewrite_json(_parts_path(), append, indent=1)
@@ -1817,6 +1819,7 @@ def predict_job(spec: JobSpec, probe: bool = False) -> Prediction:
             engine, kept = probe_answers(spec, statistics.fmean(sample.trial_lengths or [1]))
             sample = sample.model_copy(update={"probe_engine": engine, "probe_kept": kept})
         prediction = predict(spec, sample, read_parts(), engine_trials(spec))
+    prediction.track = track_record()
     _made[_job_key(spec)] = prediction
     return prediction
 
@@ -2265,6 +2268,39 @@ def compare(prediction: Prediction, metrics: dict[str, float], ran: ModelSpec | 
     if engine:
         out["engine_seconds_prediction_error"] = prediction.engine_seconds / engine - 1.0
     return out
+
+
+# Each run's measured wall (to its record) over its prediction, under machine_key(): the last TRACK_KEEP, whatever the
+# job. Never read into a prediction (no factor from another job): told beside it, so that a plan knows how far this
+# machine's predictions have held (track_record).
+TRACK = "measured wall over predicted, to the record"
+TRACK_KEEP = 20
+
+
+def remember_track(compared: dict[str, float]) -> None:
+    """A run's prediction held against its measurement (compare's metrics), kept for track_record."""
+    predicted, measured = compared.get("predicted_wall_seconds_to_record"), compared.get("measured_wall_seconds")
+    if predicted and measured and predicted > 0:
+        remember_parts({machine_key(): {TRACK: measured / predicted}}, keep=TRACK_KEEP)
+
+
+def track_record() -> str:
+    """How this machine's last runs (as commands, any job) came out against the predictions they printed: a line
+    printed under every prediction, so that a plan sized on it knows how far to trust it here."""
+    ratios = read_parts().get(machine_key(), {}).get(TRACK) or []
+    if not ratios:
+        return "On this machine no run has been held against its prediction yet."
+    errors = sorted(r - 1.0 for r in ratios)
+    within = sum(abs(e) <= 0.10 for e in errors)
+
+    def said(error: float) -> str:
+        return f"{abs(error):.0%} {'over' if error > 0 else 'under'}"
+
+    if len(errors) == 1:
+        return f"On this machine the last run ran {said(errors[0])} its prediction (measured against predicted wall)."
+    return (f"On this machine the last {len(errors)} runs ran from {said(errors[0])} to {said(errors[-1])} their "
+            f"predictions ({within} of {len(errors)} within 10%, median |error| "
+            f"{statistics.median(abs(e) for e in errors):.0%}; measured against predicted wall).")
 
 
 _exit_from: list[tuple[str, float, str]] = []  # (parts key, record's start, part name): the exit to measure
