@@ -145,8 +145,9 @@ def run(job: Job) -> dict:
     experiment = client.get_experiment_by_name(job.experiment).experiment_id
     record = client.search_runs([experiment], order_by=["attributes.start_time DESC"], max_results=1)[0]
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("predicted wall")), "")
-    return {"wall": wall, "started": started, "steal": steal, "line": line, "metrics": dict(record.data.metrics),
-            "engine": record.data.params.get("engine", "")}
+    track = next((ln for ln in done.stdout.splitlines() if ln.startswith("On this machine")), "")
+    return {"wall": wall, "started": started, "steal": steal, "line": line, "track": track,
+            "metrics": dict(record.data.metrics), "engine": record.data.params.get("engine", "")}
 
 
 def report(done: list[Job], seconds: float) -> str:
@@ -169,8 +170,10 @@ def report(done: list[Job], seconds: float) -> str:
              *(__doc__.split("\n\n", 2)[2].strip().splitlines()), "", *rows, "",
              f"|error|: median {statistics.median(errors):.1%}, max {max(errors):.1%}; **{met} of {len(errors)} "
              f"within {ladder.GOAL:.0%}**.", "", *ladder.host_summary(), "",
-             "The lines the runs printed before they started work:", ""]
-    lines += [f"- {job.name}: `{job.result['line']}`" for job in done]
+             "The lines the runs printed before they started work (the prediction, then this machine's track record "
+             "as it stood: its earlier runs against their predictions):", ""]
+    lines += [f"- {job.name}: `{job.result['line']}`" + (f"\n  `{job.result['track']}`" if job.result.get("track") else "")
+              for job in done]
     return "\n".join(lines) + "\n"
 
 
