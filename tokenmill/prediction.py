@@ -2297,10 +2297,10 @@ def track_record() -> str:
         return f"{abs(error):.0%} {'over' if error > 0 else 'under'}"
 
     if len(errors) == 1:
-        return f"On this machine the last run ran {said(errors[0])} its prediction (measured against predicted wall)."
+        return f"On this machine the last run ran {said(errors[0])} its prediction (wall to the run's record, measured against predicted)."
     return (f"On this machine the last {len(errors)} runs ran from {said(errors[0])} to {said(errors[-1])} their "
             f"predictions ({within} of {len(errors)} within 10%, median |error| "
-            f"{statistics.median(abs(e) for e in errors):.0%}; measured against predicted wall).")
+            f"{statistics.median(abs(e) for e in errors):.0%}; wall to each run's record, measured against predicted).")
 
 
 _exit_from: list[tuple[str, float, str]] = []  # (parts key, record's start, part name): the exit to measure
