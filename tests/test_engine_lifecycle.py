@@ -2,8 +2,11 @@
 
 These run as separate processes, as a user runs them: the failure they guard against
 (vLLM torn down by the interpreter's exit, aborting a job that had succeeded with exit
-134) only shows in a process that ends. Here: `tokenmill run` embedding on vLLM, its engine's end checked by
-its last exit hook, and `tokenmill gate` with its vLLM reference closed mid-command. Elsewhere, where tests run
+134) only shows in a process that ends. Here: `tokenmill run` of a gated job embedding on vLLM (the gate's
+transformers reference closed mid-command, its vLLM candidate then running the corpus), every engine's end checked
+by its last exit hook. (`tokenmill gate` ran apart with a vLLM reference until the gate's engines ran in this one
+process: a vLLM start less, ~100 s of CI; both end engines by the same close and exit through the same command().)
+Elsewhere, where tests run
 a command to its end anyway (conftest.assert_clean_exit): an OpenAI Batch job's idle rerun in
 tests/test_openai_batch.py, and `tokenmill run` on transformers in tests/test_resume.py (a killed run's resume;
 an idle rerun; two at once) and tests/test_prediction.py (with `calibrate` and `plan`). `calibrate` on vLLM does
@@ -39,15 +42,19 @@ def corpus(tmp_path):
 
 @pytest.mark.engine
 def test_tokenmill_run_closes_its_vllm_engine_and_exits_0(tmp_path, corpus):
-    """`tokenmill run` (the command's own exit path, tokenmill.cli.command) on vLLM: when its last exit hook has
-    run, no engine, no engine process and no vLLM client thread is left, nor a shared-memory segment the engine
-    made; then it exits 0, cleanly."""
+    """`tokenmill run` (the command's own exit path, tokenmill.cli.command) of a gated job on vLLM: the gate's
+    reference (transformers) closed before its candidate (vLLM) starts, the candidate passing and running the
+    corpus; when the command's last exit hook has run, no engine, no engine process and no vLLM client thread is
+    left, nor a shared-memory segment the engine made; then it exits 0, cleanly."""
     job = tmp_path / "job.yaml"
     job.write_text(textwrap.dedent(f"""
         input: {corpus}
         output: {tmp_path / 'out'}
         model: {{name: all-MiniLM-L6-v2, engine: vllm, engine_kwargs: {{gpu_memory_utilization: 0.1, enforce_eager: true}}}}
         tracking: {{mlflow_tracking_uri: "sqlite:///{tmp_path}/mlflow.db"}}
+        gate:
+          reference: {{name: all-MiniLM-L6-v2, engine: transformers}}
+          sample_rows: 8
     """))
     script = textwrap.dedent(f"""
         import atexit, json, os, sys, threading
@@ -73,13 +80,16 @@ def test_tokenmill_run_closes_its_vllm_engine_and_exits_0(tmp_path, corpus):
 
         def start_and_note(model_path, job):
             engine = real_start(model_path, job)
-            seen["children"] = [p.pid for p in psutil.Process().children(recursive=True) if named_vllm(p)]
-            seen["segments"] = sorted(engine.leftovers.segments)
+            seen.setdefault("started", []).append(job.model.engine)
+            if job.model.engine == "vllm":
+                seen["children"] = [p.pid for p in psutil.Process().children(recursive=True) if named_vllm(p)]
+                seen["segments"] = sorted(engine.leftovers.segments)
             return engine
 
         def inspect():  # the last exit hook the command runs (registered first), before its os._exit
             alive = [p for p in seen.get("children", []) if running(p)]
             print("RESULT " + json.dumps({{
+                "started": seen.get("started", []),
                 "engines": len(open_engines()),
                 "engine_processes_seen": len(seen.get("children", [])),
                 "engine_processes_alive": alive,
@@ -101,30 +111,15 @@ def test_tokenmill_run_closes_its_vllm_engine_and_exits_0(tmp_path, corpus):
                           capture_output=True, text=True, timeout=900)
     assert_clean_exit(done, "tokenmill run on vLLM")
     assert f"{len(TEXTS)} in = {len(TEXTS)} out + 0 rejected" in done.stdout
+    assert "eval gate passed on 8 rows" in done.stdout and "cosine_mean" in done.stdout
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     result = json.loads(line.removeprefix("RESULT "))
+    assert result["started"] == ["transformers", "vllm"]  # the reference, then the candidate, kept for the corpus
     assert result["engine_processes_seen"] >= 1  # vLLM did start its engine process
     # vLLM's engine maps its workers' ring buffer; killed at close, it cannot unlink it: close() does
     assert result["segments_seen"], "no shared-memory segment read from the engine's processes"
     assert result == {**result, "engines": 0, "engine_processes_alive": [], "client_threads": [],
                       "segments_left": []}
-
-
-@pytest.mark.engine
-def test_cli_gate_exits_0(tmp_path, corpus):
-    job = tmp_path / "job.yaml"
-    job.write_text(textwrap.dedent(f"""
-        input: {corpus}
-        output: {tmp_path / 'gated'}
-        model: {{name: all-MiniLM-L6-v2, engine: transformers}}
-        tracking: {{mlflow_tracking_uri: "sqlite:///{tmp_path}/mlflow.db"}}
-        gate:
-          reference: {{name: all-MiniLM-L6-v2, engine_kwargs: {{gpu_memory_utilization: 0.1, enforce_eager: true}}}}
-          sample_rows: 8
-    """))
-    done = tokenmill("gate", "--config", str(job), cwd=tmp_path)
-    assert_clean_exit(done, "tokenmill gate")
-    assert "cosine_mean" in done.stdout
 
 
 def test_the_gate_never_holds_reference_and_candidate_engines_at_once(tmp_path, corpus, monkeypatch):

@@ -1,11 +1,13 @@
 """engine openai-server against a real `vllm serve` (CPU build, SmolLM2, --scheduling-policy priority) on
 127.0.0.1, started once for the module: a generation job end to end with the batch's priority sent and the
-in-flight cap kept, the preflight's one-line errors, stop_by's drain and clean end, and a server killed
+in-flight cap kept, the preflight's one-line errors, stop_by's drain and clean end, and the server lost
 mid-job then the rerun resuming."""
 
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -16,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bench.vllm_server import VllmServer
+from bench.vllm_server import VllmServer, free_port
 from tokenmill.models import prepare_smollm2
 from tokenmill.server_control import CallCost, cap_from_slo
 from tokenmill.server_engine import ServerError
@@ -36,6 +38,57 @@ def server(tmp_path_factory):
     served.mlflow = f"sqlite:///{log.parent}/mlflow.db"  # one tracking store for the module: opened once
     yield served
     served.stop()
+
+
+class Cuttable:
+    """A TCP relay on 127.0.0.1 in front of the module's server, whose cut() is the server's death as a client
+    sees it: every open connection reset (in-flight requests and the metrics poll alike), the port then refusing
+    connections, until start() again. Killing `vllm serve` itself showed the same to the job and cost a ~70 s
+    restart of it (its API server, engine core and worker each import vLLM) on the 2-core CI host."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream, self.port = upstream_port, free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.listener: socket.socket | None = None
+        self.open: list[socket.socket] = []
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def cut(self) -> None:
+        self.listener.close()
+        with self.lock:
+            for sock in self.open:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
+                sock.close()
+            self.open.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # closed by cut()
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:  # the server itself is gone (the module's end): refused, as it refuses
+                client.close()
+                continue
+            with self.lock:
+                self.open += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
 
 
 def corpus(path, shards: int, rows: int):
@@ -161,9 +214,10 @@ def test_the_engine_stops_sending_before_stop_by_and_drains(server, tmp_path):
 
 
 
-def test_stop_by_ends_cleanly_a_killed_server_stops_the_job_and_the_rerun_resumes(server, tmp_path):
-    """Three runs of one job: the first stops cleanly at stop_by; the second loses its server mid-job and
-    stops with its finished shards kept; the third, the server back, redoes only the unfinished shards."""
+def test_stop_by_ends_cleanly_a_lost_server_stops_the_job_and_the_rerun_resumes(server, tmp_path):
+    """Three runs of one job: the first stops cleanly at stop_by; the second loses its server mid-job (every
+    connection reset, the port closed: Cuttable) and stops with its finished shards kept; the third, the server
+    back, redoes only the unfinished shards."""
     from datetime import datetime, timedelta, timezone
 
     from tokenmill.engines import open_engines
@@ -171,7 +225,9 @@ def test_stop_by_ends_cleanly_a_killed_server_stops_the_job_and_the_rerun_resume
     from tokenmill.server_engine import ServerEngine
 
     corpus(tmp_path / "in.parquet", shards=6, rows=8)
-    spec = server_job(tmp_path, server.url, shard_rows=8, mlflow_uri=server.mlflow, max_retries=1, probe=False,
+    relay = Cuttable(server.port)
+    relay.start()
+    spec = server_job(tmp_path, relay.url, shard_rows=8, mlflow_uri=server.mlflow, max_retries=1, probe=False,
                       max_in_flight=2)
     spec = spec.model_copy(update={"generation": spec.generation.model_copy(update={"max_tokens": 48,
                                                                                     "min_tokens": 48})})
@@ -199,18 +255,19 @@ def test_stop_by_ends_cleanly_a_killed_server_stops_the_job_and_the_rerun_resume
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and len(list(records.iterdir()) if records.exists() else []) <= stopped:
         time.sleep(0.05)
-    server.kill()  # one more shard is done; the server dies under the next
+    relay.cut()  # one more shard is done; the server is lost under the next
     job.join(timeout=180)
     assert not job.is_alive()
     finished = len(list(records.iterdir()))
-    assert failure and isinstance(failure[0], ServerError) and server.url in str(failure[0]), finished
+    assert failure and isinstance(failure[0], ServerError) and relay.url in str(failure[0]), finished
     assert stopped < finished < 6
-    server.start()  # the server comes back: the rerun redoes only the unfinished shards
+    relay.start()  # the server comes back: the rerun redoes only the unfinished shards
     # more requests in flight (speed, not results: the shards' cache keys leave the server's settings out)
     record = batch_flow(spec.model_copy(update={"server": spec.server.model_copy(update={"max_in_flight": 8})}))
     assert record.metrics["shards_cached"] == finished
     assert record.metrics["rows_in"] == 48 == record.metrics["rows_out"] + record.metrics["rows_rejected"]
     assert pq.read_table(tmp_path / "out").num_rows == 47
+    relay.cut()
 
 
 @pytest.mark.skipif(not os.environ.get("TOKENMILL_TEST_EMBED_SERVER"),
