@@ -101,3 +101,47 @@ def test_bad_jsonl_lines_are_reported_with_their_byte_offset(tmp_path):
     assert offsets[0] == len(good)
     reasons = " | ".join(reason for _, reason in bad)
     assert "not valid UTF-8" in reasons and "not an object" in reasons and "not valid JSON" in reasons
+
+
+def test_a_remote_corpus_is_planned_once_a_process_and_a_rewritten_file_again(tmp_path, s3_server, monkeypatch):
+    """A command lists its corpus several times before its flow (trials, prediction, flow): on an object store
+    each file's footer is read once a process, its files planned concurrently in their order; a file rewritten
+    since (a new etag) is planned again, and one added since is found (the store's listing kept by the process's
+    filesystem once raised FileNotFoundError on it)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import s3fs
+
+    import tokenmill.shards as shards
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server)
+    fs.mkdir("plans")
+
+    def put(i: int, rows: int) -> None:
+        buffer = io.BytesIO()
+        pq.write_table(pa.table({"id": [f"{i}-{j}" for j in range(rows)], "text": ["some words"] * rows}), buffer,
+                       row_group_size=10)
+        fs.pipe(f"plans/in/part-{i:02d}.parquet", buffer.getvalue())
+
+    for i in range(12):
+        put(i, 20)
+    footers = []
+    real = shards._parquet_metadata
+    monkeypatch.setattr(shards, "_parquet_metadata", lambda fs, path, uri: footers.append(path) or real(fs, path, uri))
+    plan = lambda: discover_shards("s3://plans/in", max_shard_rows=10,  # noqa: E731
+                                   storage_options={"endpoint_url": s3_server})
+    first = plan()
+    assert len(footers) == 12
+    assert [s.shard_id for s in first] == [f"part-{i:02d}.parquet.r{r:09d}-{r + 10:09d}" for i in range(12)
+                                            for r in (0, 10)]  # the files' order, each file's pieces in order
+    assert plan() == first and len(footers) == 12  # kept: no footer read again
+    put(5, 30)  # rewritten: a new etag
+    put(12, 10)  # added
+    third = plan()
+    assert sorted(footers[12:]) == ["plans/in/part-05.parquet", "plans/in/part-12.parquet"]
+    assert [s.row_end for s in third if s.uri.endswith("part-05.parquet")] == [10, 20, 30]
+    assert [s.shard_id for s in third][-1] == "part-12.parquet.r000000000-000000010"
+    changed = ("part-05.parquet", "part-12.parquet")
+    assert [s for s in third if not s.uri.endswith(changed)] == [s for s in first if not s.uri.endswith(changed)]

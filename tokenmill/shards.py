@@ -3,6 +3,11 @@
 Parquet files split at row-group boundaries (a row group larger than the cap is cut
 by row range); JSONL files split into byte ranges that start and end on line
 boundaries, so no file is ever read whole to plan the work.
+
+A file's plan reads its Parquet footer (or a JSONL file's first line and its cut points): one request each
+on an object store, and one command lists its corpus several times before its shards run (the engine
+trials, the prediction, the run itself). So a process keeps each file's plan by what names the file's content
+(its etag or mtime, its size) and the job's cut, and plans the files of a remote corpus concurrently.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Literal
 
 import pyarrow as pa
@@ -72,19 +79,55 @@ def discover_shards(
     storage_options: dict[str, Any] | None = None,
 ) -> list[ShardSpec]:
     fs, root, files = list_input_files(input_uri, storage_options)
-    shards: list[ShardSpec] = []
-    for path in files:
-        shards += retry_io(lambda: _plan_file(fs, root, path, fmt, max_shard_rows, max_shard_bytes),
-                           f"planning shards of {path}")
-    return shards
+
+    def plan(path: str) -> list[ShardSpec]:
+        return retry_io(lambda: _plan_file_once(fs, root, path, fmt, max_shard_rows, max_shard_bytes),
+                        f"planning shards of {path}")
+
+    if len(files) > 1 and not _local(fs):  # a footer request each: overlapped, in the files' order
+        with ThreadPoolExecutor(min(PLAN_THREADS, len(files)), thread_name_prefix="tokenmill-plan") as pool:
+            planned = list(pool.map(plan, files))
+    else:
+        planned = [plan(path) for path in files]
+    return [shard for shards in planned for shard in shards]
 
 
-def _plan_file(fs, root: str, path: str, fmt: str, max_shard_rows: int, max_shard_bytes: int) -> list[ShardSpec]:
-    """The shards of one file. A file with no rows still gets one (empty) shard, so the
+PLAN_THREADS = 16  # requests in flight while planning a remote corpus's files
+PLANS_KEPT = 200_000  # files whose plans a process keeps; past it, it starts over
+_plans: dict[tuple, list[ShardSpec]] = {}
+_plans_lock = threading.Lock()
+
+
+def _local(fs) -> bool:
+    return fs.protocol in ("file", ("file", "local"))
+
+
+def _plan_file_once(fs, root: str, path: str, fmt: str, max_shard_rows: int, max_shard_bytes: int) -> list[ShardSpec]:
+    """_plan_file, kept for this process by the file's version and size (a rewritten file is planned again), the
+    root it is named from and the job's format and cut. A file with no version to read is planned every time."""
+    info = fs.info(path)
+    version = _file_version(info)
+    key = (fs.unstrip_protocol(path), root, int(info.get("size") or 0), version, fmt, max_shard_rows,
+           max_shard_bytes)
+    with _plans_lock:
+        kept = _plans.get(key)
+    if kept is not None:
+        return list(kept)
+    shards = _plan_file(fs, root, path, fmt, max_shard_rows, max_shard_bytes, info)
+    if version:
+        with _plans_lock:
+            if len(_plans) >= PLANS_KEPT:
+                _plans.clear()
+            _plans[key] = shards
+    return list(shards)
+
+
+def _plan_file(fs, root: str, path: str, fmt: str, max_shard_rows: int, max_shard_bytes: int,
+               info: dict[str, Any]) -> list[ShardSpec]:
+    """The shards of one file (`info`: its fs.info). A file with no rows still gets one (empty) shard, so the
     manifest accounts for it instead of the file vanishing from the job."""
     file_format = file_format_of(fs, path, fmt)
-    info = fs.info(path)
-    uri = fs.unstrip_protocol(path) if fs.protocol not in ("file", ("file", "local")) else path
+    uri = path if _local(fs) else fs.unstrip_protocol(path)
     base = dict(uri=uri, format=file_format, file_size=int(info.get("size") or 0), file_version=_file_version(info))
     name = _shard_name(root, path)
     if file_format == "parquet":
@@ -122,6 +165,10 @@ def input_format(input_uri: str, fmt: str = "auto", storage_options: dict[str, A
 
 def list_input_files(input_uri: str, storage_options: dict[str, Any] | None = None):
     fs, path = url_to_fs(input_uri, storage_options)
+    # an object store's filesystem is one per process (fsspec's instance cache) and keeps its listings: listed
+    # again, a corpus that gained a file since was found by a fresh find but unknown to info ("FileNotFoundError"
+    # on the new file, the second run of a job in one process); each listing asks the store anew
+    fs.invalidate_cache(_glob_root(path) if any(ch in path for ch in "*?[") else path)
     return retry_io(lambda: _list_files(fs, input_uri, path), f"listing {input_uri}")
 
 
