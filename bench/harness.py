@@ -297,6 +297,8 @@ REPORTS = {
                        "speed probe or recent costs would predict it better", "python -m bench.speed_drift"),
     "VLLM_STARTS.md": ("vLLM's start: a model's first on a machine (it compiles) against later ones (they load), "
                        "and the CPU's compute probe", "python -m bench.vllm_starts"),
+    "S3_READS.md": ("object-store reads: bytes moved and listing seconds, tokenmill's ranged reads and kept plans "
+                    "against the store's read-ahead and re-planning", "python -m bench.s3_reads"),
     "FINDINGS.md": ("what the figures mean (prose, written by hand)", "—"),
 }
 INDEX_START, INDEX_END = "<!-- report index: written by bench/harness.py; do not edit by hand -->", "<!-- end of index -->"

@@ -79,6 +79,7 @@ def test_tokenmill_run_closes_its_vllm_engine_and_exits_0(tmp_path, corpus):
                 return False
 
         def start_and_note(model_path, job):
+            seen.setdefault("open_at_start", []).append(len(open_engines()))
             engine = real_start(model_path, job)
             seen.setdefault("started", []).append(job.model.engine)
             if job.model.engine == "vllm":
@@ -90,6 +91,7 @@ def test_tokenmill_run_closes_its_vllm_engine_and_exits_0(tmp_path, corpus):
             alive = [p for p in seen.get("children", []) if running(p)]
             print("RESULT " + json.dumps({{
                 "started": seen.get("started", []),
+                "open_at_start": seen.get("open_at_start", []),
                 "engines": len(open_engines()),
                 "engine_processes_seen": len(seen.get("children", [])),
                 "engine_processes_alive": alive,
@@ -115,6 +117,7 @@ def test_tokenmill_run_closes_its_vllm_engine_and_exits_0(tmp_path, corpus):
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     result = json.loads(line.removeprefix("RESULT "))
     assert result["started"] == ["transformers", "vllm"]  # the reference, then the candidate, kept for the corpus
+    assert result["open_at_start"] == [0, 0]  # the reference closed before the candidate started
     assert result["engine_processes_seen"] >= 1  # vLLM did start its engine process
     # vLLM's engine maps its workers' ring buffer; killed at close, it cannot unlink it: close() does
     assert result["segments_seen"], "no shared-memory segment read from the engine's processes"

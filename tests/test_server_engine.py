@@ -44,7 +44,10 @@ class Cuttable:
     """A TCP relay on 127.0.0.1 in front of the module's server, whose cut() is the server's death as a client
     sees it: every open connection reset (in-flight requests and the metrics poll alike), the port then refusing
     connections, until start() again. Killing `vllm serve` itself showed the same to the job and cost a ~70 s
-    restart of it (its API server, engine core and worker each import vLLM) on the 2-core CI host."""
+    restart of it (its API server, engine core and worker each import vLLM) on the 2-core CI host.
+
+    A socket closed while another thread is blocked on it stays open until that call returns (close(2)), so cut()
+    shuts each socket down first: the listener's accept() and every pump's recv() return at once."""
 
     def __init__(self, upstream_port: int):
         self.upstream, self.port = upstream_port, free_port()
@@ -54,30 +57,49 @@ class Cuttable:
         self.lock = threading.Lock()
 
     def start(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
-        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+        listener = socket.create_server(("127.0.0.1", self.port))
+        with self.lock:
+            self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
 
     def cut(self) -> None:
-        self.listener.close()
         with self.lock:
-            for sock in self.open:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
-                sock.close()
-            self.open.clear()
+            listener, self.listener = self.listener, None
+            doomed, self.open = self.open, []
+        if listener is not None:
+            listener.shutdown(socket.SHUT_RDWR)  # accept() returns; the port refuses from here
+            listener.close()
+        for sock in doomed:
+            self._reset(sock)
+
+    @staticmethod
+    def _reset(sock: socket.socket) -> None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
+            sock.shutdown(socket.SHUT_RD)  # a pump blocked in recv() returns
+        except OSError:
+            pass
+        sock.close()
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
                 client, _ = listener.accept()
-            except OSError:  # closed by cut()
+            except OSError:  # shut down by cut()
                 return
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.upstream))
-            except OSError:  # the server itself is gone (the module's end): refused, as it refuses
-                client.close()
+            except OSError:  # the server itself is gone (the module's end)
+                self._reset(client)
                 continue
             with self.lock:
-                self.open += [client, upstream]
+                live = self.listener is listener  # not cut since it was accepted
+                if live:
+                    self.open += [client, upstream]
+            if not live:
+                self._reset(client)
+                self._reset(upstream)
+                return
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
 
@@ -214,7 +236,15 @@ def test_the_engine_stops_sending_before_stop_by_and_drains(server, tmp_path):
 
 
 
-def test_stop_by_ends_cleanly_a_lost_server_stops_the_job_and_the_rerun_resumes(server, tmp_path):
+@pytest.fixture
+def relay(server):
+    cuttable = Cuttable(server.port)
+    cuttable.start()
+    yield cuttable
+    cuttable.cut()
+
+
+def test_stop_by_ends_cleanly_a_lost_server_stops_the_job_and_the_rerun_resumes(server, relay, tmp_path):
     """Three runs of one job: the first stops cleanly at stop_by; the second loses its server mid-job (every
     connection reset, the port closed: Cuttable) and stops with its finished shards kept; the third, the server
     back, redoes only the unfinished shards."""
@@ -225,8 +255,6 @@ def test_stop_by_ends_cleanly_a_lost_server_stops_the_job_and_the_rerun_resumes(
     from tokenmill.server_engine import ServerEngine
 
     corpus(tmp_path / "in.parquet", shards=6, rows=8)
-    relay = Cuttable(server.port)
-    relay.start()
     spec = server_job(tmp_path, relay.url, shard_rows=8, mlflow_uri=server.mlflow, max_retries=1, probe=False,
                       max_in_flight=2)
     spec = spec.model_copy(update={"generation": spec.generation.model_copy(update={"max_tokens": 48,
@@ -250,7 +278,7 @@ def test_stop_by_ends_cleanly_a_lost_server_stops_the_job_and_the_rerun_resumes(
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             failure.append(exc)
 
-    job = threading.Thread(target=run)
+    job = threading.Thread(target=run, daemon=True)
     job.start()
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and len(list(records.iterdir()) if records.exists() else []) <= stopped:
@@ -267,7 +295,6 @@ def test_stop_by_ends_cleanly_a_lost_server_stops_the_job_and_the_rerun_resumes(
     assert record.metrics["shards_cached"] == finished
     assert record.metrics["rows_in"] == 48 == record.metrics["rows_out"] + record.metrics["rows_rejected"]
     assert pq.read_table(tmp_path / "out").num_rows == 47
-    relay.cut()
 
 
 @pytest.mark.skipif(not os.environ.get("TOKENMILL_TEST_EMBED_SERVER"),

@@ -106,9 +106,10 @@ def test_bad_jsonl_lines_are_reported_with_their_byte_offset(tmp_path):
 def test_a_remote_corpus_is_planned_once_a_process_and_a_rewritten_file_again(tmp_path, s3_server, monkeypatch):
     """A command lists its corpus several times before its flow (trials, prediction, flow): on an object store
     each file's footer is read once a process, its files planned concurrently in their order; a file rewritten
-    since (a new etag) is planned again, and one added since is found (the store's listing kept by the process's
-    filesystem once raised FileNotFoundError on it)."""
+    since (a new etag, the same size) is planned again, and one added since is found, in a subfolder too (the
+    store's listing kept by the process's filesystem once raised FileNotFoundError on it)."""
     import io
+    import threading
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -116,32 +117,44 @@ def test_a_remote_corpus_is_planned_once_a_process_and_a_rewritten_file_again(tm
 
     import tokenmill.shards as shards
 
+    monkeypatch.setattr(shards, "_plans", {})  # this test's plans only
     fs = s3fs.S3FileSystem(endpoint_url=s3_server)
     fs.mkdir("plans")
 
-    def put(i: int, rows: int) -> None:
+    def put(name: str, rows: int, word: str = "some") -> None:
         buffer = io.BytesIO()
-        pq.write_table(pa.table({"id": [f"{i}-{j}" for j in range(rows)], "text": ["some words"] * rows}), buffer,
-                       row_group_size=10)
-        fs.pipe(f"plans/in/part-{i:02d}.parquet", buffer.getvalue())
+        pq.write_table(pa.table({"id": [f"{name}-{j}" for j in range(rows)], "text": [f"{word} words"] * rows}),
+                       buffer, row_group_size=10, compression="none", use_dictionary=False)
+        fs.pipe(f"plans/in/{name}.parquet", buffer.getvalue())
 
-    for i in range(12):
-        put(i, 20)
-    footers = []
+    names = [f"part-{i:02d}" for i in range(11)] + ["sub/part-00"]
+    for name in names:
+        put(name, 20)
+    footers, threads = [], set()
     real = shards._parquet_metadata
-    monkeypatch.setattr(shards, "_parquet_metadata", lambda fs, path, uri: footers.append(path) or real(fs, path, uri))
+
+    def read_footer(fs, path, uri):
+        footers.append(path)
+        threads.add(threading.current_thread().name.split("_")[0])
+        return real(fs, path, uri)
+
+    monkeypatch.setattr(shards, "_parquet_metadata", read_footer)
     plan = lambda: discover_shards("s3://plans/in", max_shard_rows=10,  # noqa: E731
                                    storage_options={"endpoint_url": s3_server})
     first = plan()
-    assert len(footers) == 12
-    assert [s.shard_id for s in first] == [f"part-{i:02d}.parquet.r{r:09d}-{r + 10:09d}" for i in range(12)
+    assert len(footers) == 12 and threads == {"tokenmill-plan"}  # planned on the pool's threads
+    assert [s.shard_id for s in first] == [f"{n.replace('/', '_')}.parquet.r{r:09d}-{r + 10:09d}" for n in names
                                             for r in (0, 10)]  # the files' order, each file's pieces in order
     assert plan() == first and len(footers) == 12  # kept: no footer read again
-    put(5, 30)  # rewritten: a new etag
-    put(12, 10)  # added
+    size = fs.info("plans/in/part-05.parquet")["size"]
+    put("part-05", 20, word="more")  # rewritten: a new etag, the same size
+    put("sub/part-00", 20, word="more")  # rewritten in a subfolder
+    put("sub/part-01", 10)  # added in a subfolder
+    assert fs.info("plans/in/part-05.parquet", refresh=True)["size"] == size
     third = plan()
-    assert sorted(footers[12:]) == ["plans/in/part-05.parquet", "plans/in/part-12.parquet"]
-    assert [s.row_end for s in third if s.uri.endswith("part-05.parquet")] == [10, 20, 30]
-    assert [s.shard_id for s in third][-1] == "part-12.parquet.r000000000-000000010"
-    changed = ("part-05.parquet", "part-12.parquet")
+    changed = ("part-05.parquet", "sub/part-00.parquet", "sub/part-01.parquet")
+    assert sorted(footers[12:]) == [f"plans/in/{name}" for name in sorted(changed)]
+    assert [s.fingerprint for s in third if s.uri.endswith(changed[0])] != \
+        [s.fingerprint for s in first if s.uri.endswith(changed[0])]  # its new version, not the plan kept
+    assert [s.shard_id for s in third][-1] == "sub_part-01.parquet.r000000000-000000010"
     assert [s for s in third if not s.uri.endswith(changed)] == [s for s in first if not s.uri.endswith(changed)]
