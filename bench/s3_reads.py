@@ -107,14 +107,14 @@ def _the_stores_defaults():
     """tokenmill.shards as it was: fsspec's read-ahead, files planned in series, no plan kept."""
     import tokenmill.shards as shards
 
-    saved = shards._ranged, shards.PLAN_THREADS, shards._plan_file_once, shards.PRE_BUFFER
-    shards._ranged = lambda fs, path, size=None: fs.open(path, "rb")
-    shards.PLAN_THREADS, shards.PRE_BUFFER = 1, False
+    saved = shards._ranged, shards.PLAN_THREADS, shards._plan_file_once, shards.READ_WHOLE_BYTES
+    shards._ranged = lambda fs, path: fs.open(path, "rb")
+    shards.PLAN_THREADS, shards.READ_WHOLE_BYTES = 1, 0
     shards._plan_file_once = lambda fs, root, path, *cut: shards._plan_file(fs, root, path, *cut, fs.info(path))
     try:
         yield
     finally:
-        shards._ranged, shards.PLAN_THREADS, shards._plan_file_once, shards.PRE_BUFFER = saved
+        shards._ranged, shards.PLAN_THREADS, shards._plan_file_once, shards.READ_WHOLE_BYTES = saved
 
 
 def _measure(relay: SlowCountingRelay, corpus: dict, options: dict) -> dict[str, float]:
@@ -180,10 +180,9 @@ def _report(info: dict, args: argparse.Namespace, results: dict) -> list[str]:
             rows.append([name, unit, f"{before[f'{what}_mib']:.1f}", f"{after[f'{what}_mib']:.1f}",
                          f"{before[f'{what}_requests']:,.0f}", f"{after[f'{what}_requests']:,.0f}",
                          f"{before[f'{what}_s']:.2f}", f"{after[f'{what}_s']:.2f}"])
+    command = f"python -m bench.s3_reads --latency {args.latency:g} --mbps {args.mbps:g} --files {args.files}"
     return [
-        *harness.header("Object-store reads: what tokenmill moves and how long its listings take",
-                        f"python -m bench.s3_reads --latency {args.latency:g} --mbps {args.mbps:g} --files {args.files}",
-                        info),
+        *harness.header("Object-store reads: what tokenmill moves and how long its listings take", command, info),
         f"- **Store:** moto's S3 server on loopback behind a relay holding each request {args.latency:g} ms, "
         f"sending at most {args.mbps:g} Mbit/s a connection, and counting the bytes the store sends "
         "(bench/s3_reads.py): a store's first-byte time and a connection's bandwidth, which loopback has not.",
@@ -199,8 +198,9 @@ def _report(info: dict, args: argparse.Namespace, results: dict) -> list[str]:
         "Listings: the read-ahead fetched 50 MiB past each JSONL probe (its first line, each cut point), and every "
         "listing read every Parquet footer again, one after another. Reads: an object of at most 4 MiB is fetched "
         "whole at once (one request, as the read-ahead's first block fetched it); a larger Parquet object's shard "
-        "is its footer and one coalesced range per row group (pyarrow's pre_buffer) against the read-ahead's one "
-        "50 MiB block: more requests, a third of the bytes; a JSONL shard its byte range, once. Seconds here are "
+        "is its footer and its row groups' column chunks, coalesced by pyarrow (pre_buffer, its default on both "
+        "sides), against the read-ahead's 50 MiB blocks: more requests, a fraction of the bytes; a JSONL shard its "
+        "byte range, once. Seconds here are "
         "the relay's latency and bandwidth on a shared 2-core machine, not a real store's: the bytes and requests "
         "are what carries over.",
     ]

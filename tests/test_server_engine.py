@@ -67,7 +67,10 @@ class Cuttable:
             listener, self.listener = self.listener, None
             doomed, self.open = self.open, []
         if listener is not None:
-            listener.shutdown(socket.SHUT_RDWR)  # accept() returns; the port refuses from here
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # accept() returns (Linux); the port refuses from here
+            except OSError:  # a listening socket is not connected elsewhere (macOS): close() alone
+                pass
             listener.close()
         for sock in doomed:
             self._reset(sock)

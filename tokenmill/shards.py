@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Literal
 
 import pyarrow as pa
-from fsspec.asyn import AsyncFileSystem
 import pyarrow.parquet as pq
+from fsspec.asyn import AsyncFileSystem
 from pydantic import BaseModel, ConfigDict
 
 from tokenmill.digest import stable_digest
@@ -94,7 +94,7 @@ def discover_shards(
 
 
 PLAN_THREADS = 8  # requests in flight while planning an object store's files (under botocore's pool of 10)
-PLANS_KEPT = 20_000  # files whose plans a process keeps; past it, it starts over
+PLANS_KEPT = 20_000  # objects whose plans a process keeps
 _plans: dict[tuple, list[ShardSpec]] = {}
 _plans_lock = threading.Lock()
 
@@ -107,10 +107,11 @@ def _plan_file_once(fs, root: str, path: str, fmt: str, max_shard_rows: int, max
     """_plan_file, kept for this process where the file is a store's object with a version (its etag or
     modification time): by that, its size, the store (fsspec's token of its options), the root it is named from
     and the job's format and cut, so a rewritten object is planned again. Local files are planned every time
-    (a footer read from disk costs little, and a same-size rewrite can keep its mtime within the clock's tick)."""
+    (a footer read from disk costs little, and a same-size rewrite can keep its mtime within the clock's tick), as
+    are other filesystems' (fsspec keys a synchronous one's instances by thread too)."""
     info = fs.info(path)
     version = _file_version(info)
-    if _local(fs) or not version:
+    if not isinstance(fs, AsyncFileSystem) or not version:
         return _plan_file(fs, root, path, fmt, max_shard_rows, max_shard_bytes, info)
     key = (getattr(fs, "_fs_token", None), fs.unstrip_protocol(path), root, int(info.get("size") or 0), version,
            fmt, max_shard_rows, max_shard_bytes)
@@ -119,8 +120,9 @@ def _plan_file_once(fs, root: str, path: str, fmt: str, max_shard_rows: int, max
     if kept is None:
         kept = _plan_file(fs, root, path, fmt, max_shard_rows, max_shard_bytes, info)
         with _plans_lock:
-            if len(_plans) >= PLANS_KEPT:
-                _plans.clear()
+            if len(_plans) >= PLANS_KEPT:  # the older half goes (a corpus of more objects still hits the rest)
+                for stale in list(_plans)[: PLANS_KEPT // 2]:
+                    del _plans[stale]
             _plans[key] = kept
     return list(kept)
 
@@ -254,21 +256,15 @@ def first_line(fs, path: str, limit: int = 1 << 20) -> bytes:
     return b""
 
 
-def _ranged(fs, path: str, size: int | None = None):
+def _ranged(fs, path: str):
     """A file opened for reads of ranges it knows (a first line, a cut point, a shard's bytes, a footer, a shard's
-    column chunks): on an object store each read fetches what it asks and no more, but for an object of at most
-    READ_WHOLE_BYTES (`size`), fetched whole at once (one request where its footer and its rows took two). The
-    store's default read-ahead fetched a block of 50 MiB (s3fs) past every read: 4 listings of a 64 MiB JSONL
-    object moved 400 MiB (now 1.3), reading its shards 165 MiB (65), reading two of a 101 MiB Parquet object's
-    three columns 176 MiB (51) (bench/S3_READS.md)."""
-    if _local(fs):
-        return fs.open(path, "rb")
-    whole = size is not None and 0 < size <= READ_WHOLE_BYTES
-    return fs.open(path, "rb", cache_type="all" if whole else "none")
+    row groups): on an object store each read fetches what it asks and no more. The store's default read-ahead
+    fetched a block of 50 MiB (s3fs) past every read: 4 listings of a 64 MiB JSONL object moved 400 MiB, reading
+    its shards 165 MiB (bench/S3_READS.md)."""
+    return fs.open(path, "rb") if _local(fs) else fs.open(path, "rb", cache_type="none")
 
 
-READ_WHOLE_BYTES = 4 * 2**20
-PRE_BUFFER = True  # a Parquet shard's column chunks read as coalesced ranges (pyarrow's pre_buffer)
+READ_WHOLE_BYTES = 4 * 2**20  # an object this small is fetched whole, in one request, to read a shard of it
 
 
 def _openai_batch_as_rows(data: bytes, columns: list[str]) -> bytes:
@@ -349,9 +345,11 @@ def _parquet_metadata(fs, path: str, uri: str):
 
 def _read_parquet_shard(fs, path: str, shard: ShardSpec, columns: list[str]) -> pa.Table:
     try:
-        with _ranged(fs, path, shard.file_size) as handle:
-            # pre_buffer: the row groups' column chunks fetched as few coalesced ranges, not one request each
-            parquet = pq.ParquetFile(handle, pre_buffer=PRE_BUFFER and not _local(fs))
+        with _ranged(fs, path) as handle:
+            source, size = handle, getattr(handle, "size", None) or 0
+            if not _local(fs) and 0 < size <= READ_WHOLE_BYTES:  # its footer and rows in one request, not two
+                source = pa.BufferReader(handle.read())  # (s3fs checks the object's etag on the read)
+            parquet = pq.ParquetFile(source)
             names = parquet.schema_arrow.names
             present = list(names) if columns is None else [c for c in columns if c in names]
             if not shard.row_groups:  # a file with no rows: its columns still say whether it fits the job
@@ -384,15 +382,16 @@ def _jsonl_ranges(fs, path: str, size: int, max_bytes: int) -> Iterator[tuple[in
 def _next_line_start(handle, offset: int, size: int) -> int:
     """The offset just past the first newline at or after `offset - 1`."""
     handle.seek(offset - 1)
-    position = offset - 1
+    position, step = offset - 1, 1 << 16
     while position < size:
-        chunk = handle.read(1 << 16)
+        chunk = handle.read(step)  # a request each on an object store: a long line takes a few, growing
         if not chunk:
             break
         newline = chunk.find(b"\n")
         if newline >= 0:
             return position + newline + 1
         position += len(chunk)
+        step = min(step * 2, 1 << 24)
     return size
 
 
