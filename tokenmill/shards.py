@@ -6,8 +6,9 @@ boundaries, so no file is ever read whole to plan the work.
 
 A file's plan reads its Parquet footer (or a JSONL file's first line and its cut points): one request each
 on an object store, and one command lists its corpus several times before its shards run (the engine
-trials, the prediction, the run itself). So a process keeps each file's plan by what names the file's content
-(its etag or mtime, its size) and the job's cut, and plans the files of a remote corpus concurrently.
+trials, the prediction, the run itself). So a process keeps each object's plan by what names its content
+(its etag, its size) and the job's cut, plans an object store's files concurrently, and reads ranges, not
+the store's read-ahead blocks.
 """
 
 from __future__ import annotations
