@@ -20,56 +20,16 @@ import io
 import json
 import os
 import random
-import socket
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from bench import harness
+from bench.relay import Relay
 
 REPORT = harness.BENCH / "S3_READS.md"
 LISTINGS = 4  # a first run with auto's trials: the trials' question, the trials, the prediction, the flow
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
-
-
-class SlowCountingRelay:
-    """127.0.0.1 in front of the store: each request held `latency` s, the bytes the store sends counted and sent
-    at most `bytes_per_s` a connection (loopback has neither a first-byte time nor a bandwidth)."""
-
-    def __init__(self, upstream: int, latency: float, bytes_per_s: float):
-        self.upstream, self.latency, self.rate, self.sent, self.requests = upstream, latency, bytes_per_s, 0, 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            client, _ = self.listener.accept()
-            upstream = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, asking: bool) -> None:
-        try:
-            while data := source.recv(1 << 16):
-                if asking and data[:4] in (b"GET ", b"HEAD"):  # a request's first bytes: the store's latency
-                    with self.lock:
-                        self.requests += 1
-                    time.sleep(self.latency)
-                elif not asking:
-                    with self.lock:
-                        self.sent += len(data)
-                    time.sleep(len(data) / self.rate)
-                sink.sendall(data)
-            sink.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def reset(self) -> None:
-        with self.lock:
-            self.sent = self.requests = 0
 
 
 def _corpora(fs, bucket: str, files: int) -> dict[str, dict]:
@@ -117,18 +77,18 @@ def _the_stores_defaults():
         shards._ranged, shards.PLAN_THREADS, shards._plan_file_once, shards.READ_WHOLE_BYTES = saved
 
 
-def _measure(relay: SlowCountingRelay, corpus: dict, options: dict) -> dict[str, float]:
+def _measure(relay: Relay, corpus: dict, options: dict) -> dict[str, float]:
     import tokenmill.shards as shards
 
     shards._plans.clear()
     figures: dict[str, float] = {}
-    relay.reset()
+    relay.reset_counts()
     started = time.perf_counter()
     for _ in range(LISTINGS):
         found = shards.discover_shards(corpus["uri"], storage_options=options, **corpus["cut"])
     figures.update(list_s=time.perf_counter() - started, list_mib=relay.sent / 2**20, list_requests=relay.requests,
                    shards=len(found))
-    relay.reset()
+    relay.reset_counts()
     started = time.perf_counter()
     figures["rows"] = sum(shards.read_shard(s, ["id", "text"], options)[0].num_rows for s in found)
     figures.update(read_s=time.perf_counter() - started, read_mib=relay.sent / 2**20, read_requests=relay.requests)
@@ -155,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host, port = server.get_host_and_port()
         corpora = _corpora(s3fs.S3FileSystem(endpoint_url=f"http://{host}:{port}"), "bench-s3-reads", args.files)
-        relay = SlowCountingRelay(port, args.latency / 1000, args.mbps * 1e6 / 8)
-        options = {"endpoint_url": f"http://127.0.0.1:{relay.port}"}
+        relay = Relay(port, args.latency / 1000, args.mbps * 1e6 / 8).start()
+        options = {"endpoint_url": relay.address}
         results = {}
         for name, corpus in corpora.items():
             with _the_stores_defaults():
@@ -185,7 +145,7 @@ def _report(info: dict, args: argparse.Namespace, results: dict) -> list[str]:
         *harness.header("Object-store reads: what tokenmill moves and how long its listings take", command, info),
         f"- **Store:** moto's S3 server on loopback behind a relay holding each request {args.latency:g} ms, "
         f"sending at most {args.mbps:g} Mbit/s a connection, and counting the bytes the store sends "
-        "(bench/s3_reads.py): a store's first-byte time and a connection's bandwidth, which loopback has not.",
+        "(bench/relay.py): a store's first-byte time and a connection's bandwidth, which loopback has not.",
         "- **Sides:** the store's defaults (fsspec's read-ahead: s3fs fetches a 50 MiB block past each read; files "
         "planned in series; every listing plans every file again), against tokenmill (each read fetches its "
         f"range; files planned {PLAN_THREADS} at a time, each object's plan kept by its etag for the process). The "

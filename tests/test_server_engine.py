@@ -6,8 +6,6 @@ mid-job then the rerun resuming."""
 from __future__ import annotations
 
 import os
-import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -18,7 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bench.vllm_server import VllmServer, free_port
+from bench.relay import Relay
+from bench.vllm_server import VllmServer
 from tokenmill.models import prepare_smollm2
 from tokenmill.server_control import CallCost, cap_from_slo
 from tokenmill.server_engine import ServerError
@@ -38,82 +37,6 @@ def server(tmp_path_factory):
     served.mlflow = f"sqlite:///{log.parent}/mlflow.db"  # one tracking store for the module: opened once
     yield served
     served.stop()
-
-
-class Cuttable:
-    """A TCP relay on 127.0.0.1 in front of the module's server, whose cut() is the server's death as a client
-    sees it: every open connection reset (in-flight requests and the metrics poll alike), the port then refusing
-    connections, until start() again. Killing `vllm serve` itself showed the same to the job and cost a ~70 s
-    restart of it (its API server, engine core and worker each import vLLM) on the 2-core CI host.
-
-    A socket closed while another thread is blocked on it stays open until that call returns (close(2)), so cut()
-    shuts each socket down first: the listener's accept() and every pump's recv() return at once."""
-
-    def __init__(self, upstream_port: int):
-        self.upstream, self.port = upstream_port, free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.listener: socket.socket | None = None
-        self.open: list[socket.socket] = []
-        self.lock = threading.Lock()
-
-    def start(self) -> None:
-        listener = socket.create_server(("127.0.0.1", self.port))
-        with self.lock:
-            self.listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-
-    def cut(self) -> None:
-        with self.lock:
-            listener, self.listener = self.listener, None
-            doomed, self.open = self.open, []
-        if listener is not None:
-            try:
-                listener.shutdown(socket.SHUT_RDWR)  # accept() returns (Linux); the port refuses from here
-            except OSError:  # a listening socket is not connected elsewhere (macOS): close() alone
-                pass
-            listener.close()
-        for sock in doomed:
-            self._reset(sock)
-
-    @staticmethod
-    def _reset(sock: socket.socket) -> None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
-            sock.shutdown(socket.SHUT_RD)  # a pump blocked in recv() returns
-        except OSError:
-            pass
-        sock.close()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:  # shut down by cut()
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream))
-            except OSError:  # the server itself is gone (the module's end)
-                self._reset(client)
-                continue
-            with self.lock:
-                live = self.listener is listener  # not cut since it was accepted
-                if live:
-                    self.open += [client, upstream]
-            if not live:
-                self._reset(client)
-                self._reset(upstream)
-                return
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-            sink.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
 
 
 def corpus(path, shards: int, rows: int):
@@ -241,15 +164,15 @@ def test_the_engine_stops_sending_before_stop_by_and_drains(server, tmp_path):
 
 @pytest.fixture
 def relay(server):
-    cuttable = Cuttable(server.port)
-    cuttable.start()
+    """The module's server behind a relay whose cut() is its death as the job sees it (bench/relay.py)."""
+    cuttable = Relay(server.port).start()
     yield cuttable
     cuttable.cut()
 
 
 def test_stop_by_ends_cleanly_a_lost_server_stops_the_job_and_the_rerun_resumes(server, relay, tmp_path):
     """Three runs of one job: the first stops cleanly at stop_by; the second loses its server mid-job (every
-    connection reset, the port closed: Cuttable) and stops with its finished shards kept; the third, the server
+    connection reset, the port closed: the relay cut) and stops with its finished shards kept; the third, the server
     back, redoes only the unfinished shards."""
     from datetime import datetime, timedelta, timezone
 
@@ -258,7 +181,7 @@ def test_stop_by_ends_cleanly_a_lost_server_stops_the_job_and_the_rerun_resumes(
     from tokenmill.server_engine import ServerEngine
 
     corpus(tmp_path / "in.parquet", shards=6, rows=8)
-    spec = server_job(tmp_path, relay.url, shard_rows=8, mlflow_uri=server.mlflow, max_retries=1, probe=False,
+    spec = server_job(tmp_path, f"{relay.address}/v1", shard_rows=8, mlflow_uri=server.mlflow, max_retries=1, probe=False,
                       max_in_flight=2)
     spec = spec.model_copy(update={"generation": spec.generation.model_copy(update={"max_tokens": 48,
                                                                                     "min_tokens": 48})})
@@ -290,7 +213,7 @@ def test_stop_by_ends_cleanly_a_lost_server_stops_the_job_and_the_rerun_resumes(
     job.join(timeout=180)
     assert not job.is_alive()
     finished = len(list(records.iterdir()))
-    assert failure and isinstance(failure[0], ServerError) and relay.url in str(failure[0]), finished
+    assert failure and isinstance(failure[0], ServerError) and f"{relay.address}/v1" in str(failure[0]), finished
     assert stopped < finished < 6
     relay.start()  # the server comes back: the rerun redoes only the unfinished shards
     # more requests in flight (speed, not results: the shards' cache keys leave the server's settings out)
