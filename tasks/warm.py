@@ -22,11 +22,10 @@ import threading
 import time
 from pathlib import Path
 
-import prefect
-
 from tokenmill import timeline
 from tokenmill.engine_protocol import Engine
 from tokenmill.spec import JobSpec, sqlite_file
+from tokenmill.tasks import api_process
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +41,12 @@ class EphemeralApi(threading.Thread):
 
     Left to itself, Prefect starts the server at the flow's first API call: the CLI process first
     imports the server's own code (`prefect.server.api.server`, 4.4 s here) only to spawn a process
-    that imports it again. Here the process is spawned as soon as the job is parsed, with the same
-    command and environment, and this thread waits for its health check while the main thread
-    imports the flow and starts the engine. Once it answers, PREFECT_API_URL points at it, so
-    Prefect's client talks to it as to any server; it is stopped at exit like Prefect's, and dies
-    with the CLI if the CLI is killed.
+    that imports it again. Here the process is spawned as soon as the job is parsed, with the same app,
+    server and environment (tasks/api_process.py, which also marks when its imports and its startup
+    ended: a first run's database creation, measured apart), and this thread waits for its health
+    check while the main thread imports the flow and starts the engine. Once it answers,
+    PREFECT_API_URL points at it, so Prefect's client talks to it as to any server; it is stopped at
+    exit like Prefect's, and dies with the CLI if the CLI is killed.
     """
 
     def __init__(self, timeout: float):
@@ -55,6 +55,7 @@ class EphemeralApi(threading.Thread):
         self.error: str | None = None
         self.url: str | None = None
         self.process: subprocess.Popen | None = None
+        self.marks: int | None = None  # the pipe the server writes its start's marks to (tasks/api_process.py)
         self._spawn()
         atexit.register(self.stop)  # registered before Prefect's log and event workers: they flush first
 
@@ -62,18 +63,30 @@ class EphemeralApi(threading.Thread):
         from prefect.settings import get_current_settings
 
         self.port = _free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent),
-             "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
-            env={**os.environ, **SERVER_ENVIRONMENT,
-                 **get_current_settings().to_environment_variables(exclude_unset=True)},
-            # tied to the spawning thread's life: only the main thread lives as long as the CLI; the hook
-            # only calls prctl (no locks), so it is safe beside the CLI's threads
-            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,  # noqa: PLW1509
-        )
+        # a respawn's start is not a start's: the process before it made the database, where one was made
+        self.respawned = self.process is not None
+        self._close_marks()
+        self.marks, writing = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-P", api_process.__file__, "--port", str(self.port)],
+                env={**os.environ, **SERVER_ENVIRONMENT, api_process.MARKS_VARIABLE: str(writing),
+                     **get_current_settings().to_environment_variables(exclude_unset=True)},
+                pass_fds=(writing,),
+                # tied to the spawning thread's life: only the main thread lives as long as the CLI; the hook
+                # only calls prctl (no locks), so it is safe beside the CLI's threads
+                preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,  # noqa: PLW1509
+            )
+        finally:
+            os.close(writing)  # the server's now; this end reads
 
     def run(self) -> None:
+        try:
+            self._wait_for_health()
+        finally:
+            self._close_marks()
+
+    def _wait_for_health(self) -> None:
         import httpx
 
         deadline = time.monotonic() + self.timeout
@@ -90,11 +103,24 @@ class EphemeralApi(threading.Thread):
                     if client.get(f"http://127.0.0.1:{self.port}/api/health").status_code == 200:
                         self.url = f"http://127.0.0.1:{self.port}/api"
                         timeline.mark("api_ready")
+                        self._read_marks()
                         return
                 except httpx.TransportError:
                     pass
                 time.sleep(0.1)
         self.error = f"no answer within {self.timeout:.0f} s"
+
+    def _read_marks(self) -> None:
+        """The moments the server's own process marked (its imports done, its startup begun and done: where it
+        creates its database on a first run), into this process's timeline; all written before it answered."""
+        if self.marks is not None and not self.respawned:
+            for name, when in api_process.read_marks(self.marks).items():
+                timeline.mark_at(name, when)
+
+    def _close_marks(self) -> None:
+        if self.marks is not None:
+            os.close(self.marks)
+            self.marks = None
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import TEXTS, write_parquet
 
-SERVER_APP = "prefect.server.api.server:create_app"
+SERVER_APP = "api_process.py"  # tasks/api_process.py: Prefect's app, served as Prefect serves it
 
 
 def environment(tmp_path):
@@ -60,7 +60,9 @@ def corpus(tmp_path):
     return write_parquet(tmp_path / "docs.parquet", [f"d{i}" for i in range(len(TEXTS))], TEXTS)
 
 
-def test_the_run_is_recorded_by_the_api_started_ahead_and_the_server_ends_with_the_command(tmp_path, corpus):
+def test_the_run_is_recorded_by_the_api_started_ahead_and_the_server_ends_with_the_command(tmp_path, corpus,
+                                                                                         monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))  # the parts this run measures, its own
     process = subprocess.Popen(command(tmp_path, corpus), cwd=tmp_path, env=environment(tmp_path),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     parent = psutil.Process(process.pid)
@@ -80,6 +82,15 @@ def test_the_run_is_recorded_by_the_api_started_ahead_and_the_server_ends_with_t
         (state,) = db.execute("select state_type from flow_run where id = ?", (flow_run_id,)).fetchone()
         tasks = db.execute("select count(*) from task_run where flow_run_id = ?", (flow_run_id,)).fetchone()[0]
     assert state == "COMPLETED" and tasks >= 3
+    # the server's process marked its startup, where it created the database (a new PREFECT_HOME): recorded, and
+    # stored apart from the rest of its start for the next run's prediction (tokenmill.prediction.API_CREATING)
+    api, startup = (run.data.metrics[f"fixed/orchestrator_api{part}_seconds"] for part in ("", "_startup"))
+    assert 0 < startup < api
+    from tokenmill import prediction
+
+    machine = prediction.read_parts()[prediction.machine_key()]
+    assert machine[prediction.API_CREATING] == [pytest.approx(startup, abs=1e-3)]
+    assert machine[prediction.API_CREATED] == [pytest.approx(api, abs=1e-3)] and prediction.API_STARTUP not in machine
 
 
 def test_the_server_dies_with_a_killed_command(tmp_path, corpus):
