@@ -14,14 +14,12 @@ import struct
 import threading
 import time
 
-from bench.vllm_server import free_port
-
 REQUEST_STARTS = (b"GET ", b"HEAD", b"POST", b"PUT ", b"DELE")  # an HTTP request's first bytes
 
 
 class Relay:
     def __init__(self, upstream_port: int, latency: float = 0.0, bytes_per_s: float | None = None):
-        self.upstream, self.port = upstream_port, free_port()
+        self.upstream, self.port = upstream_port, 0  # its port from its first start on: a restart keeps it
         self.latency, self.rate = latency, bytes_per_s
         self.sent = self.requests = 0  # bytes the server sent through the relay; requests it was asked
         self.listener: socket.socket | None = None
@@ -34,6 +32,7 @@ class Relay:
 
     def start(self) -> Relay:
         listener = socket.create_server(("127.0.0.1", self.port))
+        self.port = listener.getsockname()[1]
         with self.lock:
             self.listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
@@ -84,10 +83,25 @@ class Relay:
                 self._reset(client)
                 self._reset(upstream)
                 return
+            running = [2]  # the pair's pumps: the second to end closes both
             for source, sink, asking in ((client, upstream, True), (upstream, client, False)):
-                threading.Thread(target=self._pump, args=(source, sink, asking), daemon=True).start()
+                threading.Thread(target=self._pump, args=(source, sink, asking, running), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, asking: bool) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, asking: bool, running: list[int]) -> None:
+        try:
+            self._relay(source, sink, asking)
+        finally:
+            with self.lock:
+                running[0] -= 1
+                done = running[0] == 0 and source in self.open  # not cut: cut() closed them
+                if done:
+                    self.open.remove(source)
+                    self.open.remove(sink)
+            if done:
+                source.close()
+                sink.close()
+
+    def _relay(self, source: socket.socket, sink: socket.socket, asking: bool) -> None:
         try:
             while data := source.recv(1 << 16):
                 if asking and data[:4] in REQUEST_STARTS:  # a request's first bytes: the server's first-byte time

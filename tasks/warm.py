@@ -77,6 +77,9 @@ class EphemeralApi(threading.Thread):
                 # only calls prctl (no locks), so it is safe beside the CLI's threads
                 preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,  # noqa: PLW1509
             )
+        except BaseException:
+            self._close_marks()
+            raise
         finally:
             os.close(writing)  # the server's now; this end reads
 

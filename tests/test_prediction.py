@@ -234,14 +234,15 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
         "python imports": pytest.approx(3.0), prediction.MAIN_FIRST_ALONE: pytest.approx(5.0 - 1.0 - 2.5)}
     machine = parts[prediction.machine_key()]
     assert machine[TRACKING_CREATED] == pytest.approx(2.5) and machine[API_CREATED] == pytest.approx(7.0)
-    assert prediction.API_CREATING not in machine  # its server's process marked no startup: not measured apart
+    assert prediction.API_FIRST_REST not in machine  # its server's process marked no startup: not measured apart
     marks.update(api_startup_start=t0 + 5.5, api_startup_done=t0 + 9.8)  # as tasks/api_process.py marks them
-    machine = prediction.measured_parts(spec, "transformers", {}, 0, False)[prediction.machine_key()]
-    assert machine[prediction.API_CREATING] == pytest.approx(4.3) and prediction.API_STARTUP not in machine
+    first = prediction.measured_parts(spec, "transformers", {}, 0, False)[prediction.machine_key()]
+    # the start but its startup (where it created the database), of the same run
+    assert first[prediction.API_FIRST_REST] == pytest.approx(7.0 - 4.3) and prediction.API_STARTUP not in first
     del marks["api_store_created"]  # a later start: its startup, the database there
-    machine = prediction.measured_parts(spec, "transformers", {}, 0, False)[prediction.machine_key()]
-    assert machine[prediction.API_STARTUP] == pytest.approx(4.3) and prediction.API_CREATING not in machine
-    assert API_CREATED not in machine
+    later = prediction.measured_parts(spec, "transformers", {}, 0, False)[prediction.machine_key()]
+    assert later[prediction.API_STARTUP] == pytest.approx(4.3)
+    assert API_CREATED not in later and prediction.API_FIRST_REST not in later
     marks["api_store_created"] = t0 + 3
     del marks["api_startup_start"], marks["api_startup_done"]
     assert parts[prediction.gate_key(spec)] == {prediction.GATE_KEPT: pytest.approx(0.1)}
@@ -312,15 +313,15 @@ def test_a_first_runs_one_time_costs_are_parts_of_their_own_predicted_where_they
     later = prediction.orchestration_part(stored, key, 0.0)
     assert later.seconds == pytest.approx(prediction.DEFAULT_SECONDS["orchestrator API"] * factor + 0.2)
     assert "default: never measured here" in later.source and "under its first start here" in later.source
-    # ...where that first start's creating was measured apart (its server's startup): the rest of that start, +
-    # a later startup (its default until a later start measured one), however slow the first was
-    stored[prediction.machine_key()][prediction.API_CREATING] = [13.0]
+    # ...where that first start's startup (its creating) was measured apart: the rest of that start, + a later
+    # startup (its default until a later start measured one), however slow the first was
+    stored[prediction.machine_key()][prediction.API_FIRST_REST] = [8.8]
     later = prediction.orchestration_part(stored, key, 0.0)
-    assert later.seconds == pytest.approx(21.8 * factor - 13.0 + prediction.DEFAULT_API_STARTUP * factor + 0.2)
-    assert "less its database's creating in it, 13.0 s (measured here" in later.source
+    assert later.seconds == pytest.approx(8.8 + prediction.DEFAULT_API_STARTUP * factor + 0.2)
+    assert "its first start here but its startup, where it created its database, 8.8 s (measured here" in later.source
     stored[prediction.machine_key()][prediction.API_STARTUP] = [0.3]
-    assert prediction.orchestration_part(stored, key, 0.0).seconds == pytest.approx(21.8 * factor - 13.0 + 0.5)
-    for name in (prediction.API_CREATING, prediction.API_STARTUP):
+    assert prediction.orchestration_part(stored, key, 0.0).seconds == pytest.approx(8.8 + 0.3 + 0.2)
+    for name in (prediction.API_FIRST_REST, prediction.API_STARTUP):
         del stored[prediction.machine_key()][name]
     stored[prediction.machine_key()][API_CREATED] = [7.0]
     sample = prediction.JobSample(rows=0, shards=0, lengths=[10])  # the corpus this process wrote: measured

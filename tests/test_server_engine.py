@@ -181,8 +181,8 @@ def test_stop_by_ends_cleanly_a_lost_server_stops_the_job_and_the_rerun_resumes(
     from tokenmill.server_engine import ServerEngine
 
     corpus(tmp_path / "in.parquet", shards=6, rows=8)
-    spec = server_job(tmp_path, f"{relay.address}/v1", shard_rows=8, mlflow_uri=server.mlflow, max_retries=1, probe=False,
-                      max_in_flight=2)
+    spec = server_job(tmp_path, f"{relay.address}/v1", shard_rows=8, mlflow_uri=server.mlflow, max_retries=1,
+                      probe=False, max_in_flight=2)
     spec = spec.model_copy(update={"generation": spec.generation.model_copy(update={"max_tokens": 48,
                                                                                     "min_tokens": 48})})
     records = tmp_path / "out" / "_shards"

@@ -196,17 +196,17 @@ DEFAULT_TRACKING_ALONE_EXTRA = 0.45
 # measured against 7.4-8.1 predicted, runs 49a-51).
 API_CREATED = "orchestrator API, its database created"
 DEFAULT_API_CREATED = 7.8
-# ...of which the server's startup (its lifespan: Prefect's migrations and block types, then its services), marked
-# in the server's own process (tasks/api_process.py), is where it creates the database: stored apart, a first
-# start's (API_CREATING) and a later one's (API_STARTUP, the database there), under machine_key(). A later start
-# never measured is the first one less its creating, + a later startup; where the first's creating was not measured
-# apart, less_creation's defaults. An API alone on a 2-core Zen 5 EPYC (2026-12-08, a new PREFECT_HOME, 3 runs):
-# creating 5.9-6.4 s, a later startup 0.12-0.15 s, the server's imports and app 3.2-4.3 s in either. The first
-# run's start runs beside its engine trials and the later one's beside an engine's start, so the rest of the first
-# is not the later one's exactly: it is the part measured in the same process, where the defaults' difference put
-# the first warm job after a first run 2.2 s under (bench/PREDICTION.md 2026-12-07: 7.1 s against 9.3).
-# Never measured, a later startup this at speed 1.
-API_CREATING = "orchestrator API, creating its database"
+# ...of which the server's startup (its schema migrated, its registrations written, its services started), marked
+# in the server's own process (tasks/api_process.py), is where it creates the database: the rest of a first start
+# (API_FIRST_REST: its whole less its startup, of the same run) and a later start's startup (API_STARTUP, the
+# database there) are stored apart under machine_key(). A later start never measured is that rest + a later
+# startup; where no first start's startup was measured apart, less_creation's defaults. An API alone on a 2-core
+# Zen 5 EPYC (2026-12-08, a new orchestrator home each, 3 runs): a first startup 5.9-6.4 s, a later one 0.12-0.15
+# s, the server's imports and app 3.2-4.3 s in either. A first run's start runs beside its engine trials and a
+# later one's beside an engine's start, so the rest of the first is not the later one's exactly: it is the part
+# measured in the same process, where the defaults' difference put the first warm job after a first run 2.2 s
+# under (bench/PREDICTION.md 2026-12-07: 7.1 s against 9.3). Never measured, a later startup this at speed 1.
+API_FIRST_REST = "orchestrator API, its first start but its startup"
 API_STARTUP = "orchestrator API, its startup, the database there"
 DEFAULT_API_STARTUP = 0.1
 # A run of a generation job whose corpus's answers nothing here measured generates a few of its rows first
@@ -1499,19 +1499,19 @@ def tracking_part(spec: JobSpec, parts: dict[str, Any], alone: bool = False) -> 
 def later_api_start(parts: dict[str, Any], created: float, created_source: str,
                     default: dict[str, Any]) -> dict[str, Any]:
     """The API's start in a run of a kind never measured here, from the machine's first start (`created` s: it
-    created the database): that, less its creating as the server's process measured it in that start
-    (API_CREATING), + a later startup (API_STARTUP, the database there); where that first start's creating was
-    not measured apart, less_creation (`default`: the API's default start here)."""
-    creating, creating_source = stored(parts, machine_key(), API_CREATING, None)
-    if creating is None:
+    created the database): that start but its startup as the server's process measured it (API_FIRST_REST), +
+    a later startup (API_STARTUP, the database there); where no first start's startup was measured apart,
+    less_creation (`default`: the API's default start here)."""
+    rest, rest_source = stored(parts, machine_key(), API_FIRST_REST, None)
+    if rest is None:
         seconds, source = less_creation("its first start here, which created its database", created, created_source,
                                         DEFAULT_API_CREATED - DEFAULT_SECONDS["orchestrator API"],
                                         (default["seconds"], default["source"]))
         return {"seconds": seconds, "source": source}
     startup, startup_source = stored(parts, machine_key(), API_STARTUP, DEFAULT_API_STARTUP)
-    return {"seconds": max(created - creating, 0.0) + startup, "source": (
-        f"its first start here, {created:.1f} s ({created_source}), less its database's creating in it, "
-        f"{creating:.1f} s ({creating_source}), + a later startup, {startup:.2f} s ({startup_source})")}
+    return {"seconds": rest + startup, "source": (
+        f"its first start here but its startup, where it created its database, {rest:.1f} s ({rest_source}), "
+        f"+ a later startup, {startup:.2f} s ({startup_source})")}
 
 
 def less_creation(what: str, created: float, created_source: str, default_extra: float,
@@ -2163,8 +2163,8 @@ def _no_engine_before(marks: dict[str, float], trials_ran: bool) -> bool:
 def _machine_parts(spec: JobSpec, marks: dict[str, float], alone: bool = False) -> dict[str, dict[str, float]]:
     """The parts any job's run measures for the next on this machine: the sample's reading (beside the tokens it
     read), MLflow's store opened (`alone`: with no engine started before it, TRACKING_ALONE) or created, the API's
-    start that created its database and its creating in it (API_CREATING) or a later startup (API_STARTUP), the
-    interpreter probe's milliseconds (machine_speed)."""
+    start that created its database and that start but its startup (API_FIRST_REST) or a later startup
+    (API_STARTUP), the interpreter probe's milliseconds (machine_speed)."""
     out: dict[str, dict[str, float]] = {}
     reading, made = _reading(marks), made_for(spec)
     if reading and made is not None and made.read_tokens:  # the tokens its prediction's sample read
@@ -2179,8 +2179,8 @@ def _machine_parts(spec: JobSpec, marks: dict[str, float], alone: bool = False) 
     startup = _span(marks, "api_startup_start", "api_startup_done") if "api_startup_done" in marks else None
     if "api_store_created" in marks:  # a first start here, apart from the API's later ones
         machine[API_CREATED] = _span(marks, "api_start", "api_ready")
-        if startup is not None:  # the server's process marked its startup: the creating in it
-            machine[API_CREATING] = startup
+        if startup is not None:  # the server's process marked its startup: the creating, and the rest apart
+            machine[API_FIRST_REST] = max(machine[API_CREATED] - startup, 0.0)
     elif startup is not None:
         machine[API_STARTUP] = startup
     probed = command_interpreter_ms()
