@@ -336,6 +336,13 @@ def test_engine_seconds_follow_the_rate_curve_over_length():
     points = [(16, 1000.0), (256, 4000.0)]
     assert rate_at(points, 8) == 1000.0 and rate_at(points, 1024) == 4000.0  # flat beyond what was measured
     assert rate_at(points, 64) == pytest.approx(2000.0)  # log-log between: halfway in log length
+    # a job whose rows are mostly beyond every length measured here says that their rate is read flat
+    from tokenmill.prediction import flat_beyond
+
+    assert flat_beyond([(20.0, 10_000.0)], [250, 256, 240, 12], 0.0).startswith(
+        "; 98% of its tokens in rows of ~250 tokens, a length never measured here")
+    assert flat_beyond(points, [8, 40, 250, 500], 0.0) == ""  # within 2x of the lengths measured
+    assert flat_beyond([(20.0, 10_000.0)], [18, 22, 30, 50], 0.0) == ""  # most of its tokens within
 
 
 def test_rows_of_jsonl_shards_are_counted_and_empty_ones_count_none(tmp_path):

@@ -920,8 +920,29 @@ def engine_part(spec: JobSpec, engine: str, sample: JobSample, trials,
     seconds = row_share * sum((n + out_per_row) / rate_at(curve, n + out_per_row) for n in lengths)
     measured_at = ", ".join(f"{m:,.0f} ({where})" for m, _, where in points)
     source = (f"{tokens / seconds if seconds else 0:,.0f} tokens/s over the sample's lengths, from {engine} "
-              f"measured here at {measured_at} tokens a row{answered}{repeats}")
+              f"measured here at {measured_at} tokens a row{flat_beyond(curve, lengths, out_per_row)}{answered}"
+              f"{repeats}")
     return Part(name="engine", seconds=seconds, source=source), tokens
+
+
+# A rate read at a length more than this factor beyond every length measured here is read flat from the nearest
+# (rate_at), an assumption the prediction states: on a 2-core Zen 5 EPYC (bench/PREDICTION.md run 57) transformers
+# ran MiniLM's ~255-token rows 16% slower a token than its ~20-token rows, where a Zen 3 EPYC ran them within 5%;
+# the long corpus's first run, its engine judged from the short corpus's trial, was put 17% under.
+FLAT_BEYOND = 2.0
+
+
+def flat_beyond(curve: list[tuple[float, float]], lengths: list[int], out_per_row: float) -> str:
+    """Nothing where most of the job's tokens are in rows within FLAT_BEYOND of the lengths measured (the curve's
+    means); else the share of its tokens in rows beyond them, read at the nearest length's rate, said."""
+    low, high = min(m for m, _ in curve) / FLAT_BEYOND, max(m for m, _ in curve) * FLAT_BEYOND
+    outside = [n + out_per_row for n in lengths if not low <= n + out_per_row <= high]
+    total = sum(n + out_per_row for n in lengths)
+    if not outside or not total or sum(outside) < 0.5 * total:
+        return ""
+    typical = statistics.median(outside)
+    return (f"; {sum(outside) / total:.0%} of its tokens in rows of ~{typical:,.0f} tokens, a length never measured "
+            f"here: read at the nearest measured length's rate (a stated assumption: a rate changes with length)")
 
 
 def call_fit(spec: JobSpec, engine: str, trials) -> tuple[list[float] | None, str]:
