@@ -115,5 +115,9 @@ class Relay:
                         time.sleep(len(data) / self.rate)
                 sink.sendall(data)
             sink.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
+        except OSError:  # one side reset: end the other pump's recv() too, so the pair ends and is closed
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass

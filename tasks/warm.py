@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from tokenmill import timeline
 from tokenmill.engine_protocol import Engine
@@ -67,15 +66,15 @@ class EphemeralApi(threading.Thread):
         self.respawned = self.process is not None
         self._close_marks()
         self.marks, writing = os.pipe()
+        # tied to the spawning thread's life: only the main thread lives as long as the CLI; the hook only calls
+        # prctl (no locks), so it is safe beside the CLI's threads
+        tied = _die_with_parent if threading.current_thread() is threading.main_thread() else None
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-P", api_process.__file__, "--port", str(self.port)],
                 env={**os.environ, **SERVER_ENVIRONMENT, api_process.MARKS_VARIABLE: str(writing),
                      **get_current_settings().to_environment_variables(exclude_unset=True)},
-                pass_fds=(writing,),
-                # tied to the spawning thread's life: only the main thread lives as long as the CLI; the hook
-                # only calls prctl (no locks), so it is safe beside the CLI's threads
-                preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,  # noqa: PLW1509
+                pass_fds=(writing,), preexec_fn=tied,  # noqa: PLW1509
             )
         except BaseException:
             self._close_marks()

@@ -336,13 +336,37 @@ def test_engine_seconds_follow_the_rate_curve_over_length():
     points = [(16, 1000.0), (256, 4000.0)]
     assert rate_at(points, 8) == 1000.0 and rate_at(points, 1024) == 4000.0  # flat beyond what was measured
     assert rate_at(points, 64) == pytest.approx(2000.0)  # log-log between: halfway in log length
-    # a job whose rows are mostly beyond every length measured here says that their rate is read flat
+    # a job whose tokens are mostly in rows beyond every length measured here says that their rate is read flat
     from tokenmill.prediction import flat_beyond
 
     assert flat_beyond([(20.0, 10_000.0)], [250, 256, 240, 12], 0.0).startswith(
-        "; 98% of its tokens in rows of ~250 tokens, a length never measured here")
+        "; 98% of its tokens in rows of ~250 input tokens, longer than any measured here")
+    # the tokens' side and their length, not the rows': 90 short rows, 10 long ones holding most of the tokens
+    said = flat_beyond([(100.0, 10_000.0)], [10] * 90 + [1000] * 10, 0.0)
+    assert said.startswith("; 92% of its tokens in rows of ~1,000 input tokens, longer than")
+    assert flat_beyond([(256.0, 4_000.0)], [10, 12, 16, 300], 0.0) == ""  # 300 within 2x: most tokens
+    assert "shorter than any" in flat_beyond([(256.0, 4_000.0)], [10, 12, 16], 0.0)
+    assert flat_beyond([(60.0, 200.0)], [20, 24], 32.0) == ""  # generation: its answers count in its rows' length
     assert flat_beyond(points, [8, 40, 250, 500], 0.0) == ""  # within 2x of the lengths measured
     assert flat_beyond([(20.0, 10_000.0)], [18, 22, 30, 50], 0.0) == ""  # most of its tokens within
+
+
+def test_the_engine_part_says_when_the_rows_rate_is_read_beyond_the_lengths_measured(tmp_path, monkeypatch):
+    """A long corpus's first run, its engine's rate measured here only on short rows (runs at ~20 tokens a row):
+    its prediction reads that rate and says so; once a run measured its length, it reads that and says nothing."""
+    from tokenmill import prediction
+    from tokenmill.engine_choice import rates_key
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    spec = _gated_job(tmp_path).model_copy(update={"gate": None})
+    parts = {rates_key(spec, "transformers"): {"tokens_per_s@4": [10_000.0], "mean_tokens@4": [20.0]}}
+    sample = prediction.JobSample(rows=100, shards=1, lengths=[250] * 100)
+    part, tokens = prediction.engine_part(spec, "transformers", sample, [], parts)
+    assert part.seconds == pytest.approx(25_000 / 10_000.0) and tokens == 25_000
+    assert "100% of its tokens in rows of ~250 input tokens, longer than any measured here" in part.source
+    parts[rates_key(spec, "transformers")].update({"tokens_per_s@8": [8_000.0], "mean_tokens@8": [250.0]})
+    part, _ = prediction.engine_part(spec, "transformers", sample, [], parts)
+    assert part.seconds == pytest.approx(25_000 / 8_000.0) and "longer than any" not in part.source
 
 
 def test_rows_of_jsonl_shards_are_counted_and_empty_ones_count_none(tmp_path):

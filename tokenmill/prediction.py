@@ -934,15 +934,23 @@ FLAT_BEYOND = 2.0
 
 def flat_beyond(curve: list[tuple[float, float]], lengths: list[int], out_per_row: float) -> str:
     """Nothing where most of the job's tokens are in rows within FLAT_BEYOND of the lengths measured (the curve's
-    means); else the share of its tokens in rows beyond them, read at the nearest length's rate, said."""
+    means, output tokens included); else the share of its tokens in rows longer (or shorter) than those, read at
+    the nearest length's rate, and those rows' input length (token-weighted median), said."""
     low, high = min(m for m, _ in curve) / FLAT_BEYOND, max(m for m, _ in curve) * FLAT_BEYOND
-    outside = [n + out_per_row for n in lengths if not low <= n + out_per_row <= high]
     total = sum(n + out_per_row for n in lengths)
-    if not outside or not total or sum(outside) < 0.5 * total:
-        return ""
-    typical = statistics.median(outside)
-    return (f"; {sum(outside) / total:.0%} of its tokens in rows of ~{typical:,.0f} tokens, a length never measured "
-            f"here: read at the nearest measured length's rate (a stated assumption: a rate changes with length)")
+    for side, beyond in (("longer", [n for n in lengths if n + out_per_row > high]),
+                         ("shorter", [n for n in lengths if n + out_per_row < low])):
+        tokens = sum(n + out_per_row for n in beyond)
+        if total and tokens >= 0.5 * total:
+            weighted, half = 0.0, tokens / 2
+            for n in sorted(beyond):
+                weighted += n + out_per_row
+                if weighted >= half:
+                    break
+            return (f"; {tokens / total:.0%} of its tokens in rows of ~{n:,} input tokens, {side} than any "
+                    "measured here: read at the nearest measured length's rate (a stated assumption: a rate "
+                    "changes with length)")
+    return ""
 
 
 def call_fit(spec: JobSpec, engine: str, trials) -> tuple[list[float] | None, str]:
