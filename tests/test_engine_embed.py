@@ -1,5 +1,7 @@
 """The real vLLM engine on CPU, embedding with all-MiniLM-L6-v2."""
 
+import time
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -60,24 +62,45 @@ def test_a_shard_is_written_in_input_order_with_token_counts(tmp_path, spec, eng
 
 
 def test_a_dead_engine_is_restarted_once_and_the_shard_redone(tmp_path, spec, engine, caplog):
-    """Last in this module: it kills the module's engine (others get the restarted one)."""
+    """Last in this module: it kills the module's engine (others get the restarted one). Killed in the middle of
+    the shard's calls, as the OOM killer would: vLLM's client waited for ever on a call in flight then
+    (tokenmill.vllm_engine.watch_engine_death wakes it); a kill between two calls is the same path."""
     import logging
     import os
     import signal
+    import threading
 
-    ids = [f"row-{i}" for i in range(len(TEXTS))]
-    write_parquet(tmp_path / "in.parquet", ids, TEXTS)
+    texts = [f"{TEXTS[i % len(TEXTS)]} ({i})" for i in range(3000)]  # calls for a few seconds
+    ids = [f"row-{i}" for i in range(len(texts))]
+    write_parquet(tmp_path / "in.parquet", ids, texts)
     job = spec.model_copy(update={"input": str(tmp_path / "in.parquet"), "output": str(tmp_path / "out")})
     (shard,) = discover_shards(job.input)
     core = engine.llm.llm_engine.engine_core.resources.engine_manager.processes[0]
-    os.kill(core.pid, signal.SIGKILL)  # as the OOM killer or a crashed kernel would
-    core.join(timeout=30)
+    calling = threading.Event()
+    embed = engine.embed
 
+    def embed_then_kill(batch):
+        calling.set()
+        return embed(batch)
+
+    engine.embed = embed_then_kill
+
+    def kill():
+        calling.wait(timeout=120)  # the shard's first call under way (it runs for seconds)
+        time.sleep(0.05)
+        os.kill(core.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="tokenmill"):
         result = run_shard(shard, resolve_job(job))
-    assert result.rows_out == len(TEXTS)
+    killer.join(timeout=5)
+    said = f"{time.monotonic() - started:.1f} s; logged: {[r.getMessage()[:300] for r in caplog.records]}"
+    assert not core.is_alive(), said
+    assert result.rows_out == len(texts), said
     assert pq.read_table(tmp_path / "out").column("id").to_pylist() == ids
-    (message,) = [r.getMessage() for r in caplog.records if "engine died" in r.getMessage()]
+    (message,) = [r.getMessage() for r in caplog.records if "engine died" in r.getMessage()] or [said]
     assert message.startswith(f"engine died during shard {shard.shard_id} (EngineDeadError")
     assert "restarting it once and retrying the shard" in message
     assert get_engine(resolve_model(spec.model_name), job) is not engine

@@ -61,7 +61,7 @@ def test_tokenmill_run_closes_its_vllm_engine_and_exits_0(tmp_path, corpus):
         import psutil
         import tokenmill.engines as engines
         from tokenmill.engines import open_engines
-        from tokenmill.vllm_engine import VLLM_CLIENT_THREADS
+        from tokenmill.vllm_engine import DEATH_WATCH_THREAD, VLLM_CLIENT_THREADS
 
         seen = {{}}
         real_start = engines.start_engine
@@ -95,7 +95,8 @@ def test_tokenmill_run_closes_its_vllm_engine_and_exits_0(tmp_path, corpus):
                 "engines": len(open_engines()),
                 "engine_processes_seen": len(seen.get("children", [])),
                 "engine_processes_alive": alive,
-                "client_threads": [t.name for t in threading.enumerate() if t.name in VLLM_CLIENT_THREADS],
+                "client_threads": [t.name for t in threading.enumerate()
+                                   if t.name in (*VLLM_CLIENT_THREADS, DEATH_WATCH_THREAD)],
                 "segments_seen": seen.get("segments", []),
                 "segments_left": [s for s in seen.get("segments", []) if os.path.exists("/dev/shm/" + s)],
             }}), flush=True)

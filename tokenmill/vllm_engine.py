@@ -133,6 +133,9 @@ class VLLMEngine(Engine):
             _index_graphs(model_path, spec.mode, added)
         self.client_threads = [t for t in threading.enumerate()
                                if t not in before and t.name in VLLM_CLIENT_THREADS]
+        watch = watch_engine_death(self.llm)
+        if watch is not None:
+            self.client_threads.append(watch)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.leftovers = EngineLeftovers.watch(self.llm)
 
@@ -179,6 +182,43 @@ class VLLMEngine(Engine):
         del llm, client
         gc.collect()
         self.leftovers.unlink()
+
+
+DEATH_WATCH_THREAD = "tokenmill-vllm-death-watch"
+
+
+def watch_engine_death(llm) -> threading.Thread | None:
+    """Wake a call waiting on a dead engine. vLLM's sync client waits for outputs on a queue with no timeout
+    (SyncMPClient.get_output); when its engine core process dies, its monitor marks the engine dead and stops
+    the output thread without putting anything on that queue, so a call in flight then (the OOM killer's
+    moment) waited for ever, and so did one sent before the monitor's mark (tests/test_engine_embed.py's dead
+    engine hung a CI run here, 2026-12-08). This thread waits on the core processes' ends (their sentinels, duplicated: vLLM may
+    close its own) and then puts vLLM's EngineDeadError on that queue: the call raises it, and tokenmill.engines
+    restarts the engine once and redoes the shard. After close() the core's end wakes it and it ends; what it
+    put is never read. None where vLLM is laid out otherwise (no such queue or processes): nothing to watch."""
+    try:
+        client = llm.llm_engine.engine_core
+        outputs, processes = client.outputs_queue, list(client.resources.engine_manager.processes)
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except (AttributeError, ImportError):
+        return None
+    ends = [os.dup(process.sentinel) for process in processes if process.sentinel is not None]
+    if not ends:
+        return None
+
+    def watch() -> None:  # holds the queue and the ends, not the client: the client is collected as before
+        from multiprocessing.connection import wait
+
+        try:
+            wait(ends)
+            outputs.put_nowait(EngineDeadError())
+        finally:
+            for end in ends:
+                os.close(end)
+
+    thread = threading.Thread(target=watch, name=DEATH_WATCH_THREAD, daemon=True)
+    thread.start()
+    return thread
 
 
 SEGMENT_WAIT_SECONDS = 10.0  # for killed engine processes to be gone before their segments are unlinked
