@@ -192,10 +192,11 @@ def watch_engine_death(llm) -> threading.Thread | None:
     (SyncMPClient.get_output); when its engine core process dies, its monitor marks the engine dead and stops
     the output thread without putting anything on that queue, so a call in flight then (the OOM killer's
     moment) waited for ever, and so did one sent before the monitor's mark (tests/test_engine_embed.py's dead
-    engine hung a CI run here, 2026-12-08). This thread waits on the core processes' ends (their sentinels, duplicated: vLLM may
-    close its own) and then puts vLLM's EngineDeadError on that queue: the call raises it, and tokenmill.engines
-    restarts the engine once and redoes the shard. After close() the core's end wakes it and it ends; what it
-    put is never read. None where vLLM is laid out otherwise (no such queue or processes): nothing to watch."""
+    engine hung a CI run here, 2026-12-08). This thread waits on the core processes' ends (their sentinels,
+    duplicated: vLLM may close its own) and then puts vLLM's EngineDeadError on that queue: the call raises it,
+    and tokenmill.engines restarts the engine once and redoes the shard. After close() the core's end wakes it
+    and it ends; what it put is never read. None where vLLM is laid out otherwise (no such queue or processes):
+    nothing to watch."""
     try:
         client = llm.llm_engine.engine_core
         outputs, processes = client.outputs_queue, list(client.resources.engine_manager.processes)
