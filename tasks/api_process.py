@@ -2,8 +2,8 @@
 
 Prefect runs `uvicorn --factory prefect.server.api.server:create_app --lifespan on` (its SubprocessASGIServer);
 this script runs the same app the same way, and writes to the pipe whose descriptor MARKS_VARIABLE names the
-wall-clock moment (time.time(), as tokenmill.timeline keeps them) its imports were done and its startup began and
-ended (a pipe, not a file: nothing is left behind when either process is killed).
+wall-clock moments (time.time(), as tokenmill.timeline keeps them) its startup began and ended (a pipe, not a
+file: nothing is left behind when either process is killed).
 The startup is where the server creates its database the first time on a machine (Prefect's migrations, its
 block types registered): seconds a first run pays once, which the command that spawned it measures apart
 (tasks/warm.py) so a later run's start is predicted from the parts a first one measured.
@@ -19,7 +19,7 @@ import sys
 import time
 
 MARKS_VARIABLE = "TOKENMILL_API_MARKS"
-IMPORTED, STARTUP_BEGUN, STARTUP_DONE = "api_imported", "api_startup_start", "api_startup_done"
+STARTUP_BEGUN, STARTUP_DONE = "api_startup_start", "api_startup_done"
 
 
 def mark(name: str) -> None:
@@ -81,9 +81,7 @@ def timed_app():
 
 def main(argv: list[str]) -> None:
     import uvicorn
-    import prefect.server.api.server  # noqa: F401 - the server's own imports, before the mark
 
-    mark(IMPORTED)
     port = int(argv[argv.index("--port") + 1])
     # sys.exit(3) where the port was taken after the command chose it, as `uvicorn` does (tasks/warm.py)
     uvicorn.run(timed_app, factory=True, host="127.0.0.1", port=port, log_level="error", lifespan="on")

@@ -41,8 +41,8 @@ class EphemeralApi(threading.Thread):
     Left to itself, Prefect starts the server at the flow's first API call: the CLI process first
     imports the server's own code (`prefect.server.api.server`, 4.4 s here) only to spawn a process
     that imports it again. Here the process is spawned as soon as the job is parsed, with the same app,
-    server and environment (tasks/api_process.py, which also marks when its imports and its startup
-    ended: a first run's database creation, measured apart), and this thread waits for its health
+    server and environment (tasks/api_process.py, which also marks when its startup began and ended:
+    a first run's database creation, measured apart), and this thread waits for its health
     check while the main thread imports the flow and starts the engine. Once it answers,
     PREFECT_API_URL points at it, so Prefect's client talks to it as to any server; it is stopped at
     exit like Prefect's, and dies with the CLI if the CLI is killed.
@@ -113,8 +113,8 @@ class EphemeralApi(threading.Thread):
         self.error = f"no answer within {self.timeout:.0f} s"
 
     def _read_marks(self) -> None:
-        """The moments the server's own process marked (its imports done, its startup begun and done: where it
-        creates its database on a first run), into this process's timeline; all written before it answered."""
+        """The moments the server's own process marked (its startup begun and done: where it creates its
+        database on a first run), into this process's timeline; all written before it answered."""
         if self.marks is not None and not self.respawned:
             for name, when in api_process.read_marks(self.marks).items():
                 timeline.mark_at(name, when)
